@@ -1,0 +1,204 @@
+"""The ``dflash-train`` command line: train, demo, eval, bench, regen, export, data-stats.
+
+Each subcommand's work lives in its own module and is imported only when that subcommand runs, so
+``--help`` is instant. With ``--json`` the last line of stdout is one JSON object with the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+
+class NotAvailableError(RuntimeError):
+    """A subcommand that is not implemented yet; it exits non-zero instead of faking a result."""
+
+
+def emit_result(result: dict[str, Any], as_json: bool) -> None:
+    """Print a command's result: a readable summary, or one JSON object as the last stdout line."""
+    if as_json:
+        print(json.dumps(result, sort_keys=False, default=str), flush=True)
+    else:
+        width = max((len(k) for k in result), default=0)
+        for key, value in result.items():
+            print(f"{key:<{width}}  {value}")
+
+
+def cmd_train(args: argparse.Namespace) -> dict[str, Any]:
+    from dflash_train.train.trainer import run_training
+
+    return run_training(args.recipe, args.overrides)
+
+
+def cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
+    from dflash_train.demo.pipeline import run_demo
+
+    return run_demo(quick=args.quick, workdir=args.workdir)
+
+
+def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
+    from dflash_train.eval.runner import run_eval
+
+    return run_eval(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
+    from dflash_train.bench.train_step import run_bench
+
+    return run_bench(args)
+
+
+def cmd_regen(args: argparse.Namespace) -> dict[str, Any]:
+    from dflash_train.data.regen import run_regen
+
+    return run_regen(args)
+
+
+def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
+    from dflash_train.models.export import export_checkpoint
+
+    return export_checkpoint(args.checkpoint, args.output, dtype=args.dtype)
+
+
+def cmd_data_stats(args: argparse.Namespace) -> dict[str, Any]:
+    from dflash_train.data.stats import run_data_stats
+
+    return run_data_stats(args.recipe, args.overrides)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dflash-train",
+        description="Train DFlash block-diffusion draft models against a frozen target LLM.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name: str, handler: Callable, help_text: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.add_argument(
+            "--json", action="store_true", help="make the last stdout line one JSON object with the results"
+        )
+        p.set_defaults(handler=handler)
+        return p
+
+    p = add("train", cmd_train, "Train a drafter from a recipe (single process or under torchrun).")
+    p.add_argument(
+        "recipe", help="recipe YAML file or packaged recipe name (qwen3.6-27b, qwen3-8b, tiny-cpu)"
+    )
+    p.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. train.lr=3e-4 data.paths=[chat.jsonl]"
+    )
+
+    p = add(
+        "demo",
+        cmd_demo,
+        "Build the embedded tiny target, then regenerate, train, export and evaluate on CPU.",
+    )
+    p.add_argument("--quick", action="store_true", help="a short smoke version (used by the tests)")
+    p.add_argument(
+        "--workdir", default="runs/demo", help="where the demo writes its target, data, run and export"
+    )
+
+    p = add("eval", cmd_eval, "Speculative decoding with target + drafter: tau, lossless check, tokens/s.")
+    p.add_argument("--target", required=True, help="target checkpoint directory or hub id")
+    p.add_argument("--drafter", required=True, help="exported drafter directory or training checkpoint")
+    p.add_argument("--prompts", required=True, help="JSONL of chat rows or {'prompt': ...} rows")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--num-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
+    p.add_argument("--thinking", choices=["on", "off", "default"], default="default")
+    p.add_argument("--baseline", choices=["none", "ngram"], default="none")
+    p.add_argument("--ngram-n", type=int, default=3)
+    p.add_argument(
+        "--ddtree-budget", type=int, default=0, help="tree drafting with this many nodes (0 = chain)"
+    )
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+
+    p = add("bench", cmd_bench, "Throughput of the full train step at a preset shape with random weights.")
+    p.add_argument("--preset", default="tiny", help="qwen3.6-27b, qwen3-8b or tiny")
+    p.add_argument("--seq-len", type=int, default=0, help="tokens per row (default: 4096, tiny: 256)")
+    p.add_argument("--num-anchors", type=int, default=0, help="anchors per row (default: 512, tiny: 32)")
+    p.add_argument("--rows", type=int, default=1)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument(
+        "--target-layers",
+        type=int,
+        default=0,
+        help="build only this many target layers (0 = up to max feature layer)",
+    )
+    p.add_argument("--attention-backend", choices=["auto", "flex", "sdpa"], default="auto")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=False)
+    p.add_argument("--loss-chunk-tokens", type=int, default=2048)
+    p.add_argument(
+        "--drafter-only", action="store_true", help="time the drafter step alone on random features"
+    )
+    p.add_argument("--device", default="auto")
+
+    p = add("regen", cmd_regen, "Regenerate the assistant turns of a chat dataset with the target.")
+    p.add_argument("--target", required=True, help="target checkpoint directory or hub id")
+    p.add_argument(
+        "--data", required=True, nargs="+", help="input chat data (JSONL, directory, or datasets-readable)"
+    )
+    p.add_argument("--output", required=True, help="output JSONL (appended; rows already done are skipped)")
+    p.add_argument("--max-new-tokens", type=int, default=1024)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--thinking", choices=["on", "off", "default"], default="default")
+    p.add_argument("--max-rows", type=int, default=0, help="stop after this many input rows (0 = all)")
+    p.add_argument("--max-bad-rows", type=int, default=0)
+    p.add_argument("--engine", choices=["auto", "vllm", "transformers"], default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--seed", type=int, default=0)
+
+    p = add(
+        "export",
+        cmd_export,
+        "Write a training checkpoint in the serving layout (config.json + model.safetensors).",
+    )
+    p.add_argument(
+        "checkpoint", help="a checkpoint directory (step-*) or a run directory (newest checkpoint)"
+    )
+    p.add_argument("output", help="output directory")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+
+    p = add(
+        "data-stats",
+        cmd_data_stats,
+        "Rows, tokens, length buckets, padding waste and skips of a recipe's data.",
+    )
+    p.add_argument("recipe")
+    p.add_argument("overrides", nargs="*")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        result = args.handler(args)
+    except NotAvailableError as err:
+        print(f"dflash-train {args.command}: {err}", file=sys.stderr)
+        return 2
+    except ModuleNotFoundError as err:
+        if err.name and err.name.startswith("dflash_train."):
+            print(
+                f"dflash-train {args.command}: not available yet in this version ({err.name} is missing).",
+                file=sys.stderr,
+            )
+            return 2
+        raise
+    except ValueError as err:
+        print(f"dflash-train {args.command}: error: {err}", file=sys.stderr)
+        return 1
+    if result is not None:
+        emit_result(result, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

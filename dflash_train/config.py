@@ -1,0 +1,352 @@
+"""The typed configuration tree: a YAML recipe plus dotted ``key=value`` overrides.
+
+Every component owns a small dataclass documented field by field. ``load_config`` reads a recipe,
+applies overrides, rejects unknown keys and wrong types with an error that names the key and says
+how to fix it, and validates cross-field constraints. ``RunConfig.to_yaml`` writes the resolved
+config, which is stored in the run folder and in every checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+PACKAGED_RECIPES = Path(__file__).parent / "recipes"
+
+
+@dataclass(kw_only=True)
+class TargetConfig:
+    """The frozen target model whose features the drafter learns from."""
+
+    # Local directory or hub id of a transformers checkpoint, or "preset:<name>" for a
+    # random-weight target of a known shape (benchmarks, tests).
+    path: str
+    # Weights dtype of the target: bfloat16 on GPU; float32 is allowed on CPU.
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    # 0-based decoder layers whose outputs are concatenated as features; empty = the DFlash
+    # default round(1 + i*(N-4)/(n-1)) for i < num_target_features.
+    target_layer_ids: list[int] = field(default_factory=list)
+    # Number of feature layers when target_layer_ids is empty.
+    num_target_features: int = 5
+    # GatedDeltaNet targets on CUDA must run the fla kernels; set true to accept the ~3x slower
+    # PyTorch fallback (a loud warning is printed once).
+    allow_slow_kernels: bool = False
+    # Shard the frozen target with FSDP2 (forward only) when it does not fit next to the drafter.
+    fsdp_shard: bool = False
+    trust_remote_code: bool = False
+
+
+@dataclass(kw_only=True)
+class DrafterConfig:
+    """Shape of the DFlash draft model. Fields left at 0/empty come from the preset or the target."""
+
+    # "qwen3.6-27b", "qwen3-8b", "tiny", or "from-target" (width/heads copied from the target).
+    preset: str = "from-target"
+    num_hidden_layers: int = 0
+    hidden_size: int = 0
+    intermediate_size: int = 0
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    rms_norm_eps: float = 0.0
+    rope_theta: float = 0.0
+    max_position_embeddings: int = 0
+    # Per layer "full_attention" (bidirectional in-block) or "sliding_attention" (causal in-block,
+    # windowed context); empty = all full attention (or the preset's).
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int = 0
+    # Sliding layers are causal in-block by default; false makes them bidirectional in-block.
+    is_causal: bool = True
+    # Tokens per block: the anchor plus block_size - 1 predicted positions.
+    block_size: int = 16
+    # Row of the target embedding used for MASK tokens; -1 = the preset's or the tokenizer's
+    # dedicated mask/unused token. Never pad or eos.
+    mask_token_id: int = -1
+    # Initialise from an exported drafter directory instead of random weights.
+    init_from: str = ""
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Chat data and how it becomes fixed-shape micro-batches."""
+
+    # JSONL files, directories of them, or anything datasets.load_dataset reads.
+    paths: list[str] = field(default_factory=list)
+    format: Literal["auto", "messages", "sharegpt"] = "auto"
+    # Chat-template thinking switch for templates that have one; null = template default.
+    thinking: bool | None = None
+    # Sequence-length buckets; each micro-batch is [rows, bucket] with rows*bucket <= token_budget.
+    seq_buckets: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
+    token_budget: int = 4096
+    # Rows longer than the largest bucket: "drop" (counted) or "truncate" (counted).
+    overlong: Literal["drop", "truncate"] = "truncate"
+    # Bad rows (malformed JSON, no assistant turn, ...) skipped and counted before failing.
+    max_bad_rows: int = 0
+    num_workers: int = 2
+    cache_dir: str = ""
+    streaming: bool = False
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Optimisation, the DFlash loss and the execution strategy."""
+
+    num_anchors: int = 512
+    # Loss decay exp(-(k-1)/gamma) over block position k; 0 = 7/5/4 for block 16/10/8.
+    gamma: float = 0.0
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.0
+    lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    clip_grad_norm: float = 1.0
+    num_epochs: int = 1
+    # Stop after this many optimizer steps; 0 = run num_epochs.
+    max_steps: int = 0
+    grad_accum: int = 1
+    seed: int = 0
+    # Parameters/compute dtype of the drafter (master weights and optimizer state stay fp32).
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    compile: bool = False
+    activation_checkpointing: bool = False
+    attention_backend: Literal["auto", "flex", "sdpa"] = "auto"
+    # Anchor blocks per chunk of the SDPA attention path.
+    sdpa_anchor_chunk: int = 64
+    # Block tokens per LM-head chunk of the loss (the [tokens, V] logits never exist whole).
+    loss_chunk_tokens: int = 2048
+    parallel: Literal["ddp", "fsdp"] = "fsdp"
+    placement: Literal["colocated", "split"] = "colocated"
+    target_ranks: int = 0
+    max_in_flight: int = 2
+    # Non-finite loss or grad norm: "stop" every rank, or "skip" the step (counted).
+    nonfinite: Literal["stop", "skip"] = "stop"
+    # Dump all stacks when one step takes longer than this many seconds (0 = off).
+    watchdog_s: float = 1800.0
+    device: str = "auto"
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Atomic checkpoints and resume."""
+
+    every_steps: int = 1000
+    keep_last: int = 2
+    # "auto" resumes from the newest committed checkpoint of output_dir, "never", or a path.
+    resume: str = "auto"
+    # Recipe knobs allowed to differ from the checkpoint's on resume (e.g. ["train.num_anchors"]).
+    allow_changed: list[str] = field(default_factory=list)
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    every_steps: int = 10
+    progress_bar: Literal["auto", "on", "off"] = "auto"
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "dflash-train"
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """The whole recipe."""
+
+    output_dir: str
+    target: TargetConfig
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self, path: str | Path | None = None) -> str:
+        text = yaml.safe_dump(self.to_dict(), sort_keys=False)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss decay of the DFlash paper: 7 for block 16, 5 for 10, 4 for 8 (interpolated otherwise)."""
+    return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size * 7.0 / 16.0))
+
+
+def validate(cfg: RunConfig) -> None:
+    """Cross-field checks; each failure says which key to change and how."""
+    d, t, dt = cfg.drafter, cfg.train, cfg.data
+    if d.block_size < 2:
+        raise ValueError(
+            f"drafter.block_size={d.block_size}: a block needs the anchor plus at least one predicted token; use 16 (or 8/10)."
+        )
+    if t.num_anchors < 1:
+        raise ValueError(
+            f"train.num_anchors={t.num_anchors}: must be >= 1 (the paper uses 512 for 4K-token rows)."
+        )
+    bad_types = [x for x in d.layer_types if x not in ("full_attention", "sliding_attention")]
+    if bad_types:
+        raise ValueError(
+            f"drafter.layer_types contains {bad_types}: use 'full_attention' or 'sliding_attention'."
+        )
+    if d.layer_types and d.num_hidden_layers and len(d.layer_types) != d.num_hidden_layers:
+        raise ValueError(
+            f"drafter.layer_types has {len(d.layer_types)} entries but drafter.num_hidden_layers={d.num_hidden_layers}: give one type per layer."
+        )
+    if "sliding_attention" in d.layer_types and d.sliding_window < 0:
+        raise ValueError("drafter.sliding_window must be > 0 when a layer is 'sliding_attention'.")
+    if sorted(dt.seq_buckets) != dt.seq_buckets or not dt.seq_buckets or dt.seq_buckets[0] < 2:
+        raise ValueError(
+            f"data.seq_buckets={dt.seq_buckets}: give a non-empty ascending list of lengths >= 2, e.g. [1024, 2048, 4096]."
+        )
+    if dt.token_budget < dt.seq_buckets[-1]:
+        raise ValueError(
+            f"data.token_budget={dt.token_budget} is smaller than the largest bucket {dt.seq_buckets[-1]}: raise it to at least {dt.seq_buckets[-1]} so a longest row fits."
+        )
+    if t.lr <= 0 or not 0 <= t.warmup_ratio < 1 or not 0 <= t.min_lr_ratio <= 1:
+        raise ValueError("train.lr must be > 0, train.warmup_ratio in [0, 1), train.min_lr_ratio in [0, 1].")
+    if len(t.betas) != 2:
+        raise ValueError(f"train.betas={t.betas}: give two numbers, e.g. [0.9, 0.95].")
+    if t.grad_accum < 1 or t.num_epochs < 1 or t.max_steps < 0:
+        raise ValueError("train.grad_accum and train.num_epochs must be >= 1, train.max_steps >= 0.")
+    if t.placement == "split" and t.target_ranks < 1:
+        raise ValueError(
+            "train.placement=split needs train.target_ranks >= 1 (the number of ranks that run only the target)."
+        )
+    if cfg.checkpoint.keep_last < 2:
+        raise ValueError(
+            f"checkpoint.keep_last={cfg.checkpoint.keep_last}: keep at least 2 so a crash during a save leaves a good one."
+        )
+    if t.gamma < 0 or t.loss_chunk_tokens < 1 or t.sdpa_anchor_chunk < 1:
+        raise ValueError(
+            "train.gamma must be >= 0 (0 = default), train.loss_chunk_tokens and train.sdpa_anchor_chunk >= 1."
+        )
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def resolve_recipe_path(recipe: str | Path) -> Path:
+    """A recipe file path, or the name of a packaged recipe (e.g. ``qwen3.6-27b``)."""
+    path = Path(recipe)
+    if path.is_file():
+        return path
+    packaged = PACKAGED_RECIPES / f"{recipe}.yaml"
+    if packaged.is_file():
+        return packaged
+    names = sorted(p.stem for p in PACKAGED_RECIPES.glob("*.yaml"))
+    raise ValueError(f"recipe {recipe!r} is neither a file nor a packaged recipe; packaged recipes: {names}")
+
+
+def load_config(
+    recipe: str | Path | None = None, overrides: list[str] | None = None, base: dict | None = None
+) -> RunConfig:
+    """Build a RunConfig from a YAML recipe (or a dict) plus ``key.sub=value`` overrides."""
+    raw: dict[str, Any] = dict(base or {})
+    source = "config"
+    if recipe is not None:
+        path = resolve_recipe_path(recipe)
+        source = str(path)
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: a recipe must be a YAML mapping of sections (target:, drafter:, ...)")
+        raw = loaded
+    for item in overrides or []:
+        apply_override(raw, item)
+    return from_dict(RunConfig, raw, prefix="", source=source)
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Apply one ``a.b.c=value`` override; the value is parsed as YAML (``[1,2]``, ``true``, ``3e-4``)."""
+    if "=" not in item:
+        raise ValueError(f"override {item!r} is not of the form key.sub=value, e.g. train.lr=3e-4")
+    key, _, text = item.partition("=")
+    parts = key.strip().split(".")
+    node = raw
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"override {item!r}: {part!r} is not a section")
+    node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
+
+
+def from_dict(cls: type, raw: Any, prefix: str, source: str) -> Any:
+    """Recursively build dataclass ``cls`` from a mapping, checking keys and types."""
+    where = prefix.rstrip(".") or "the recipe root"
+    if not isinstance(raw, dict):
+        raise ValueError(f"{source}: {where} must be a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in raw if k not in fields]
+    if unknown:
+        key = unknown[0]
+        close = difflib.get_close_matches(key, list(fields), n=1)
+        hint = f"did you mean '{prefix}{close[0]}'? " if close else ""
+        raise ValueError(
+            f"{source}: unknown key '{prefix}{key}'; {hint}known keys of {where}: {sorted(fields)}"
+        )
+    kwargs = {}
+    for name, f in fields.items():
+        if name not in raw:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ValueError(
+                    f"{source}: required key '{prefix}{name}' is missing; add it to the recipe or pass {prefix}{name}=..."
+                )
+            continue
+        kwargs[name] = coerce(hints[name], raw[name], f"{prefix}{name}", source)
+    return cls(**kwargs)
+
+
+def coerce(tp: Any, value: Any, key: str, source: str) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted where floats are expected."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, key + ".", source)
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for option in typing.get_args(tp):
+            if option is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return coerce(option, value, key, source)
+            except ValueError as err:
+                errors.append(str(err))
+        raise ValueError(errors[-1] if errors else f"{source}: '{key}' has an invalid value {value!r}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ValueError(f"{source}: '{key}' = {value!r} is not allowed; use one of {list(allowed)}")
+        return value
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ValueError(
+                f"{source}: '{key}' must be a list, got {type(value).__name__} {value!r}; write e.g. {key}=[1,2]"
+            )
+        return [coerce(item_tp, v, f"{key}[{i}]", source) for i, v in enumerate(value)]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        # YAML 1.1 reads "3e-4" (no dot) as a string; accept any float literal.
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if tp in (int, float, str, bool):
+        if isinstance(value, bool) and tp is not bool or not isinstance(value, tp):
+            raise ValueError(f"{source}: '{key}' must be {tp.__name__}, got {type(value).__name__} {value!r}")
+        return value
+    raise TypeError(f"unsupported annotation {tp!r} for '{key}'")

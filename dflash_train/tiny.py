@@ -1,0 +1,90 @@
+"""Tiny models and a tiny tokenizer built in code, for tests and the embedded default.
+
+Nothing here downloads anything: the tokenizer is a byte-level BPE trained with ``tokenizers`` on
+whatever text it is given, with ChatML special tokens, a dedicated mask token and a chat template
+that marks assistant turns with ``{% generation %}`` (so transformers can return the assistant
+mask) and honours ``enable_thinking``. The targets are the tiny presets of ``models.presets``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from dflash_train.models.presets import tiny_hybrid_target_config, tiny_qwen3_target_config
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>", "<think>", "</think>"]
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'assistant' -%}"
+    "{{ '<|im_start|>assistant\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\n' }}"
+    "{%- else -%}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    "{{ '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and not enable_thinking -%}{{ '<think>\n\n</think>\n\n' }}{%- endif -%}"
+    "{%- endif -%}"
+)
+
+DEFAULT_CORPUS = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog. " * 4,
+    "user: what is two plus two? assistant: two plus two is four.\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+]
+
+
+def build_tokenizer(corpus: Iterable[str] = DEFAULT_CORPUS, vocab_size: int = 320) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE on ``corpus`` and wrap it with ChatML specials and the chat template."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        mask_token="<|mask|>",
+        additional_special_tokens=["<|im_start|>", "<think>", "</think>"],
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def build_tiny_target(kind: str = "hybrid", vocab_size: int = 320, seed: int = 0, **shape) -> torch.nn.Module:
+    """A randomly initialised tiny target: ``hybrid`` (Qwen3.5 GatedDeltaNet + attention) or ``qwen3``."""
+    if kind not in ("hybrid", "qwen3"):
+        raise ValueError(f"tiny target kind {kind!r}: use 'hybrid' or 'qwen3'")
+    config = (tiny_hybrid_target_config if kind == "hybrid" else tiny_qwen3_target_config)(
+        vocab_size=vocab_size, **shape
+    )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def save_tiny_target(
+    directory: str | Path, kind: str = "hybrid", seed: int = 0, corpus: Iterable[str] = DEFAULT_CORPUS
+) -> Path:
+    """Write a tiny target checkpoint (model + tokenizer) that ``load_target`` can read."""
+    directory = Path(directory)
+    tokenizer = build_tokenizer(corpus)
+    model = build_tiny_target(kind, vocab_size=len(tokenizer), seed=seed)
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory

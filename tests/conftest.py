@@ -1,0 +1,28 @@
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    """GPU-marked tests are skipped (not deselected) without CUDA, so the report shows them."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_dir(tmp_path_factory):
+    """A saved tiny Qwen3.5 hybrid target (model + tokenizer with chat template)."""
+    from dflash_train.tiny import save_tiny_target
+
+    return save_tiny_target(tmp_path_factory.mktemp("tiny_hybrid"), kind="hybrid", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory):
+    """A saved tiny Qwen3 target (pure attention, tied embeddings)."""
+    from dflash_train.tiny import save_tiny_target
+
+    return save_tiny_target(tmp_path_factory.mktemp("tiny_qwen3"), kind="qwen3", seed=0)

@@ -1,0 +1,89 @@
+import pytest
+
+from dflash_train.config import PACKAGED_RECIPES, RunConfig, load_config
+from dflash_train.models.presets import qwen36_27b_target_config, resolve_drafter_config
+
+
+@pytest.mark.parametrize("name", ["qwen3.6-27b", "qwen3-8b", "tiny-cpu"])
+def test_every_packaged_recipe_loads(name):
+    cfg = load_config(name)
+    assert isinstance(cfg, RunConfig)
+    assert (PACKAGED_RECIPES / f"{name}.yaml").is_file()
+
+
+def test_qwen36_recipe_is_the_paper_recipe():
+    cfg = load_config("qwen3.6-27b")
+    assert cfg.train.num_anchors == 512 and cfg.train.gamma == 7.0 and cfg.train.lr == 6e-4
+    assert (
+        cfg.train.lr_schedule == "cosine"
+        and cfg.train.warmup_ratio == 0.04
+        and cfg.train.clip_grad_norm == 1.0
+    )
+    assert cfg.target.target_layer_ids == [1, 16, 31, 46, 61]
+
+
+def test_overrides_apply_with_yaml_types():
+    cfg = load_config(
+        "tiny-cpu", ["train.lr=3e-4", "data.paths=[a.jsonl,b.jsonl]", "train.compile=true", "train.gamma=5"]
+    )
+    assert cfg.train.lr == 3e-4
+    assert cfg.data.paths == ["a.jsonl", "b.jsonl"]
+    assert cfg.train.compile is True
+    assert cfg.train.gamma == 5.0 and isinstance(cfg.train.gamma, float)
+
+
+def test_unknown_key_names_key_and_suggests_fix():
+    with pytest.raises(ValueError, match=r"unknown key 'train.num_anchor'.*did you mean 'train.num_anchors'"):
+        load_config("tiny-cpu", ["train.num_anchor=8"])
+    with pytest.raises(ValueError, match=r"unknown key 'trainer'"):
+        load_config("tiny-cpu", ["trainer.lr=1e-3"])
+
+
+def test_wrong_type_names_key():
+    with pytest.raises(ValueError, match=r"'train.num_anchors' must be int, got str"):
+        load_config("tiny-cpu", ["train.num_anchors=many"])
+    with pytest.raises(ValueError, match=r"'data.seq_buckets' must be a list"):
+        load_config("tiny-cpu", ["data.seq_buckets=128"])
+    with pytest.raises(ValueError, match=r"'train.attention_backend' = 'fast' is not allowed"):
+        load_config("tiny-cpu", ["train.attention_backend=fast"])
+    with pytest.raises(ValueError, match=r"'train.compile' must be bool"):
+        load_config("tiny-cpu", ["train.compile=1"])
+
+
+def test_cross_field_errors_say_how_to_fix():
+    with pytest.raises(ValueError, match="keep at least 2"):
+        load_config("tiny-cpu", ["checkpoint.keep_last=1"])
+    with pytest.raises(ValueError, match="ascending"):
+        load_config("tiny-cpu", ["data.seq_buckets=[256,128]"])
+    with pytest.raises(ValueError, match="required key 'output_dir'"):
+        load_config(base={"target": {"path": "x"}})
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path):
+    cfg = load_config("qwen3.6-27b", ["train.lr=1e-4", "data.paths=[x.jsonl]"])
+    path = tmp_path / "resolved.yaml"
+    cfg.to_yaml(path)
+    again = load_config(path)
+    assert again == cfg
+
+
+def test_bad_override_syntax():
+    with pytest.raises(ValueError, match="key.sub=value"):
+        load_config("tiny-cpu", ["train.lr"])
+
+
+def test_unknown_recipe_lists_packaged_ones():
+    with pytest.raises(ValueError, match="packaged recipes"):
+        load_config("no-such-recipe")
+
+
+def test_qwen36_drafter_preset_resolves_to_design_shape():
+    cfg = load_config("qwen3.6-27b")
+    d = resolve_drafter_config(
+        cfg.drafter, qwen36_27b_target_config(), target_layer_ids=cfg.target.target_layer_ids
+    )
+    assert (d.num_hidden_layers, d.hidden_size, d.intermediate_size) == (5, 5120, 17408)
+    assert (d.num_attention_heads, d.num_key_value_heads, d.head_dim) == (32, 8, 128)
+    assert d.layer_types == ["sliding_attention"] * 4 + ["full_attention"] and d.sliding_window == 2048
+    assert d.mask_token_id == 248070 and d.block_size == 16 and d.rope_theta == 1e7
+    assert d.target_layer_ids == [1, 16, 31, 46, 61] and d.vocab_size == 248320 and d.num_target_layers == 64
