@@ -1,0 +1,83 @@
+import pytest
+import torch
+
+from dflash_train.train import loss as loss_mod
+from dflash_train.train.loss import (
+    add_metrics,
+    dflash_loss,
+    loss_weights,
+    naive_dflash_loss,
+    summarize_metrics,
+)
+
+
+def make_case(seed=0, rows=2, anchors=5, block=4, hidden=16, vocab=50):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows, anchors, block, hidden, generator=g, requires_grad=True)
+    w = torch.randn(vocab, hidden, generator=g) * 0.3
+    labels = torch.randint(0, vocab, (rows, anchors, block - 1), generator=g)
+    valid = torch.rand(rows, anchors, block - 1, generator=g) > 0.2
+    keep = torch.rand(rows, anchors, generator=g) > 0.3
+    return h, w, labels, valid, keep
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 3, 7, 1000])
+def test_chunked_loss_equals_naive_loss_and_gradients(chunk_tokens):
+    h, w, labels, valid, keep = make_case()
+    denom = loss_weights(keep, valid, 7.0).sum() * 1.5  # as if other ranks contributed weight too
+    loss, _ = dflash_loss(h, w, labels, valid, keep, gamma=7.0, denom=denom, chunk_tokens=chunk_tokens)
+    (grad,) = torch.autograd.grad(loss * 3.0, h)
+    h2 = h.detach().clone().requires_grad_(True)
+    ref = naive_dflash_loss(h2, w, labels, valid, keep, gamma=7.0, denom=denom)
+    (ref_grad,) = torch.autograd.grad(ref * 3.0, h2)
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-4, atol=1e-6)
+    assert grad[:, :, 0].abs().sum() == 0  # the anchor position is never scored
+
+
+def test_loss_weights_follow_the_design_formula():
+    keep = torch.tensor([[True, False]])
+    valid = torch.tensor([[[True, True, False, True], [True, True, True, True]]])
+    w = loss_weights(keep, valid, gamma=7.0)
+    expected = torch.tensor([1.0, torch.exp(torch.tensor(-1 / 7)), 0.0, torch.exp(torch.tensor(-3 / 7))])
+    torch.testing.assert_close(w[0, 0], expected)
+    assert w[0, 1].sum() == 0
+
+
+def test_one_lm_head_pass_per_chunk(monkeypatch):
+    calls = []
+    real = loss_mod.lm_head_logits
+    monkeypatch.setattr(loss_mod, "lm_head_logits", lambda h, w: calls.append(h.shape[0]) or real(h, w))
+    h, w, labels, valid, keep = make_case(rows=2, anchors=5, block=4)  # 30 scored tokens
+    loss, stats = dflash_loss(h, w, labels, valid, keep, gamma=7.0, denom=torch.tensor(10.0), chunk_tokens=9)
+    loss.backward()
+    summarize_metrics(stats)
+    assert calls == [9, 9, 9, 3]  # forward only: backward, metrics and top-k reuse it
+
+
+def test_metrics_match_hand_computed_values():
+    vocab = 8
+    w = torch.eye(vocab)
+    # One row, two anchors, block 4 -> three predicted positions each; logits = one-hot of a chosen id.
+    chosen = torch.tensor([[[0, 1, 2, 3], [0, 5, 6, 7]]])
+    h = torch.nn.functional.one_hot(chosen, vocab).float() * 10
+    labels = torch.tensor(
+        [[[1, 2, 4], [5, 0, 7]]]
+    )  # block 0: right, right, wrong; block 1: right, wrong, right
+    valid = torch.ones(1, 2, 3, dtype=torch.bool)
+    keep = torch.ones(1, 2, dtype=torch.bool)
+    _, stats = dflash_loss(h, w, labels, valid, keep, gamma=7.0, denom=torch.tensor(1.0))
+    out = summarize_metrics(add_metrics(None, stats))
+    assert out["tau"] == pytest.approx((3 + 2) / 2)  # accepted prefix lengths 2 and 1
+    assert out["acc_by_pos"] == [1.0, 0.5, 0.5]
+    assert out["top4_by_pos"] == [1.0, 1.0, 1.0]
+    assert out["label_prob_by_pos"][0] > 0.99
+
+
+def test_no_valid_tokens_gives_zero_loss_not_nan():
+    h, w, labels, valid, keep = make_case()
+    keep = torch.zeros_like(keep)
+    loss, stats = dflash_loss(h, w, labels, valid, keep, gamma=7.0, denom=torch.tensor(0.0))
+    loss.backward()
+    assert loss.item() == 0.0 and torch.isfinite(h.grad).all()
+    assert summarize_metrics(stats)["tau"] == 0.0
