@@ -4,6 +4,7 @@ import torch
 from dflash_train.train import loss as loss_mod
 from dflash_train.train.loss import (
     add_metrics,
+    block_targets,
     dflash_loss,
     loss_weights,
     naive_dflash_loss,
@@ -81,3 +82,15 @@ def test_no_valid_tokens_gives_zero_loss_not_nan():
     loss.backward()
     assert loss.item() == 0.0 and torch.isfinite(h.grad).all()
     assert summarize_metrics(stats)["tau"] == 0.0
+
+
+def test_block_targets_are_same_position_labels():
+    ids = torch.arange(100, 110)[None]  # ids[p] = 100 + p
+    loss_mask = torch.zeros(1, 10, dtype=torch.bool)
+    loss_mask[0, 3:9] = True
+    anchors = torch.tensor([[3, 7]])
+    labels, valid = block_targets(ids, loss_mask, anchors, block_size=4)
+    assert labels.tolist() == [[[104, 105, 106], [108, 109, 109]]]  # a+k for k=1..3 (clamped past the end)
+    assert valid.tolist() == [
+        [[True, True, True], [True, False, False]]
+    ]  # 9 is a prompt token, 10 is out of bounds

@@ -26,6 +26,21 @@ def lm_head_logits(hidden: Tensor, weight: Tensor) -> Tensor:
     return hidden @ weight.t()
 
 
+def block_targets(input_ids: Tensor, loss_mask: Tensor, anchors: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+    """Labels ids[a+k] for k = 1..B-1 (same position as the prediction, no shift) and their validity.
+
+    A label is valid when a+k is inside the row and is a response token (loss_mask).
+    """
+    seq_len = input_ids.shape[1]
+    offsets = torch.arange(1, block_size, device=anchors.device)
+    positions = anchors[..., None] + offsets  # [R,A,K]
+    in_bounds = positions < seq_len
+    flat = positions.clamp(max=seq_len - 1).flatten(1)
+    labels = input_ids.gather(1, flat).view_as(positions)
+    label_valid = in_bounds & loss_mask.gather(1, flat).view_as(positions).bool()
+    return labels, label_valid
+
+
 def loss_weights(keep: Tensor, label_valid: Tensor, gamma: float) -> Tensor:
     """w[r,a,k] = keep * inbounds * loss_mask * exp(-(k-1)/gamma) for predicted positions k = 1..B-1.
 

@@ -1,0 +1,123 @@
+"""Process groups, device choice and how the drafter is wrapped for data parallelism.
+
+One process per GPU (torchrun), one Python thread doing GPU work. The drafter is sharded with
+FSDP2 (``fully_shard``, bf16 compute with fp32 master weights and fp32 gradient reduction) or
+replicated with DDP; a single process without torchrun uses the plain module under autocast.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+
+def pick_device(requested: str, local_rank: int = 0) -> torch.device:
+    """``auto`` = this rank's GPU when CUDA is present, else CPU."""
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ValueError(f"train.device={requested} but no CUDA device is visible; use train.device=cpu or auto.")
+        return torch.device("cuda", local_rank) if requested == "cuda" else torch.device(requested)
+    return torch.device(requested)
+
+
+def init_distributed(requested_device: str = "auto", timeout_s: float = 1800.0) -> DistInfo:
+    """Join the torchrun job if launched by torchrun (NCCL on GPU, gloo on CPU), else run alone."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(requested_device, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=device if device.type == "cuda" else None)
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """In-place sum across ranks (no-op alone); stays on the device, no host sync."""
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def wrap_drafter(drafter: nn.Module, strategy: str, dtype: torch.dtype, info: DistInfo) -> nn.Module:
+    """Apply the data-parallel strategy; parameters stay fp32 (master weights)."""
+    if not info.distributed:
+        return drafter
+    if strategy == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        ids = [info.device.index] if info.device.type == "cuda" else None
+        return DistributedDataParallel(drafter, device_ids=ids)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for layer in drafter.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(drafter, mp_policy=policy)
+    return drafter
+
+
+def uses_fsdp(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The drafter module itself (DDP keeps it in ``.module``; FSDP2 shards it in place)."""
+    return getattr(model, "module", model)
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The drafter's full fp32 state dict on CPU (gathered from shards; every rank must call)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(unwrap(model) if not uses_fsdp(model) else model, options=options)
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's full state keyed by parameter names (every rank must call)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_optimizer_state_dict(unwrap(model) if not uses_fsdp(model) else model, optimizer, options=options)
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict) -> None:
+    """Load full state dicts into a (possibly sharded) drafter and its optimizer."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+    target = unwrap(model) if not uses_fsdp(model) else model
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+    set_model_state_dict(target, model_state, options=options)
+    set_optimizer_state_dict(target, optimizer, optim_state, options=options)
