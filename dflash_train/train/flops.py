@@ -70,7 +70,9 @@ def train_step_flops(
     target = sum(target_layer_flops(tc, i, seq_len) for i in range(num_target_layers))
 
     block_layers = sum(drafter_layer_flops(dc, i, seq_len, num_anchors) for i in range(dc.num_hidden_layers))
-    context_kv = dc.num_hidden_layers * 2.0 * seq_len * dc.hidden_size * 2 * dc.num_key_value_heads * dc.head_dim
+    context_kv = (
+        dc.num_hidden_layers * 2.0 * seq_len * dc.hidden_size * 2 * dc.num_key_value_heads * dc.head_dim
+    )
     fc = 2.0 * seq_len * dc.num_target_features * dc.hidden_size * dc.hidden_size
     lm_head = 2.0 * num_anchors * (dc.block_size - 1) * dc.hidden_size * dc.vocab_size
 
@@ -146,7 +148,9 @@ def gated_delta_net_flops(tc: Any, seq_len: int) -> float:
     return projections + rule
 
 
-def gated_delta_rule_flops(seq_len: int, num_heads: int, dk: int, dv: int, chunk: int = DELTA_RULE_CHUNK) -> float:
+def gated_delta_rule_flops(
+    seq_len: int, num_heads: int, dk: int, dv: int, chunk: int = DELTA_RULE_CHUNK
+) -> float:
     """The chunked gated delta rule (q/k are repeated to the value heads before it runs).
 
     Per chunk of C tokens and head: k_beta K^T and Q K^T (2 x 2C^2 dk), the two unit-triangular

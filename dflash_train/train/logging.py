@@ -1,0 +1,249 @@
+"""Rank-0 output: ``log_main`` for messages, ``MetricsLogger`` for per-step metrics.
+
+``MetricsLogger`` writes every logged step to ``run_dir/metrics.jsonl`` (one JSON object a line,
+the record that always exists), drives a progress bar or prints one human line per logging step,
+and optionally mirrors scalars to TensorBoard and Weights & Biases (imported lazily, only when
+enabled). It only ever receives Python numbers: the trainer does its ``.item()`` calls on logging
+steps, so ``advance`` can run every step without a host sync.
+
+Metric names the human line and the progress bar know (others are recorded but not printed):
+``loss``, ``lr``, ``grad_norm``, ``tau``, ``tokens_per_s``, ``mfu`` (a fraction; hidden when 0, e.g.
+on CPU), ``peak_mem_gb`` (1e9 bytes). ``last`` holds the most recent logged metrics.
+A list value holds one number per scored block position: index i is block position i + 1
+(position 0, the anchor, is never scored) and is logged to TensorBoard/wandb as
+``{name}/pos_{i + 1}``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from tqdm import tqdm
+
+from dflash_train.config import LoggingConfig
+
+# Steps in the moving window behind the ETA (long enough to smooth logging/checkpoint steps out).
+ETA_WINDOW_STEPS = 50
+
+
+def is_main_process() -> bool:
+    """Rank 0 of the initialised process group, or the only process."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def log_main(msg: str) -> None:
+    """Print ``msg`` to stdout on rank 0 only, without breaking an active progress bar."""
+    if is_main_process():
+        tqdm.write(msg, file=sys.stdout)
+        sys.stdout.flush()
+
+
+class MetricsLogger:
+    """Per-step metrics of a training run, written by rank 0 (every method is a no-op elsewhere).
+
+    ``advance(step)`` is called after every optimizer step with the number of completed steps;
+    ``log(step, metrics)`` on logging steps with Python numbers (or lists of them). ``start_step``
+    is the step a resumed run starts from, so the bar and the ETA count only the remaining steps.
+    Optional backends are checked on every rank so that a missing package fails all ranks alike.
+    """
+
+    def __init__(
+        self,
+        run_dir: Path,
+        cfg: LoggingConfig,
+        *,
+        total_steps: int,
+        is_main: bool,
+        config_dict: dict,
+        start_step: int = 0,
+    ) -> None:
+        self.is_main = is_main
+        self.total_steps = total_steps
+        self.last: dict[str, Any] = {}
+        summary_writer_cls = import_summary_writer() if cfg.tensorboard else None
+        wandb = import_wandb() if cfg.wandb else None
+        if not is_main:
+            return
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._tensorboard = (
+            summary_writer_cls(log_dir=str(run_dir / "tensorboard")) if summary_writer_cls else None
+        )
+        self._wandb_run = (
+            wandb.init(project=cfg.wandb_project, config=config_dict, dir=str(run_dir), name=run_dir.name)
+            if wandb
+            else None
+        )
+        self._jsonl = open(run_dir / "metrics.jsonl", "a")  # closed in close()
+        use_bar = cfg.progress_bar == "on" or (cfg.progress_bar == "auto" and sys.stderr.isatty())
+        self._bar = (
+            tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr)
+            if use_bar
+            else None
+        )
+        self._start_time = time.perf_counter()
+        # (step, time) at each advance; the window opens at the first finished step, so start-up and
+        # compilation before it do not inflate the ETA.
+        self._step_times: deque[tuple[int, float]] = deque(maxlen=ETA_WINDOW_STEPS)
+
+    def advance(self, step: int) -> None:
+        """Record that ``step`` optimizer steps are done (every step; no host sync, Python ints only)."""
+        if not self.is_main:
+            return
+        if not self._step_times or step > self._step_times[-1][0]:
+            self._step_times.append((step, time.perf_counter()))
+        if self._bar is not None and step > self._bar.n:
+            self._bar.update(step - self._bar.n)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Record ``metrics`` of logging step ``step`` in every enabled sink."""
+        if not self.is_main:
+            return
+        self.advance(step)
+        check_metrics(metrics)
+        self.last = dict(metrics)
+        record = {"step": step, "elapsed_s": round(time.perf_counter() - self._start_time, 3), **metrics}
+        self._jsonl.write(json.dumps(finite_or_null(record)) + "\n")
+        self._jsonl.flush()
+        scalars = flatten_scalars(metrics)
+        if self._tensorboard is not None:
+            for name, value in scalars.items():
+                self._tensorboard.add_scalar(name, value, step)
+        if self._wandb_run is not None:
+            self._wandb_run.log(scalars, step=step)
+        if self._bar is not None:
+            postfix = {k: metrics[k] for k in ("loss", "tau", "tokens_per_s") if k in metrics}
+            self._bar.set_postfix({k: f"{v:.4g}" for k, v in postfix.items()}, refresh=False)
+        else:
+            log_main(self.format_line(step, metrics))
+
+    def eta_seconds(self, step: int) -> float | None:
+        """Remaining time from the moving average step time; None until two steps were timed."""
+        if not self.is_main or len(self._step_times) < 2:
+            return None
+        (first_step, first_time), (last_step, last_time) = self._step_times[0], self._step_times[-1]
+        if last_step <= first_step:
+            return None
+        return (last_time - first_time) / (last_step - first_step) * max(self.total_steps - step, 0)
+
+    def format_line(self, step: int, metrics: dict[str, Any]) -> str:
+        """One human line: ``step 20/300 | loss 3.1416 | lr 2.00e-03 | ... | ETA 4m10s``."""
+        parts = [f"step {step}/{self.total_steps}"]
+        formats = {
+            "loss": "loss {:.4f}",
+            "lr": "lr {:.2e}",
+            "grad_norm": "grad {:.3f}",
+            "tau": "tau {:.3f}",
+        }
+        parts += [fmt.format(metrics[k]) for k, fmt in formats.items() if k in metrics]
+        if "tokens_per_s" in metrics:
+            parts.append(f"{format_count(metrics['tokens_per_s'])} tok/s")
+        if metrics.get("mfu"):
+            parts.append(f"MFU {100 * metrics['mfu']:.1f}%")
+        eta = self.eta_seconds(step)
+        if eta is not None:
+            parts.append(f"ETA {format_duration(eta)}")
+        if "peak_mem_gb" in metrics:
+            parts.append(f"mem {metrics['peak_mem_gb']:.1f} GB")
+        return " | ".join(parts)
+
+    def close(self) -> None:
+        """Flush and close every sink (idempotent)."""
+        if not self.is_main or self._jsonl.closed:
+            return
+        self._jsonl.close()
+        if self._bar is not None:
+            self._bar.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        if self._wandb_run is not None:
+            self._wandb_run.finish()
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def import_summary_writer() -> type:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as err:
+        raise ImportError(
+            "logging.tensorboard=true needs the tensorboard package: `pip install tensorboard` "
+            "(or `pip install dflash-train[tensorboard]`), or set logging.tensorboard=false."
+        ) from err
+    return SummaryWriter
+
+
+def import_wandb() -> Any:
+    try:
+        import wandb
+    except ImportError as err:
+        raise ImportError(
+            "logging.wandb=true needs the wandb package: `pip install wandb` "
+            "(or `pip install dflash-train[wandb]`), or set logging.wandb=false."
+        ) from err
+    return wandb
+
+
+def check_metrics(metrics: dict[str, Any]) -> None:
+    """Metrics must already be Python numbers: a tensor here would mean a hidden host sync."""
+    for name, value in metrics.items():
+        values = value if isinstance(value, list) else [value]
+        if not all(isinstance(v, int | float) for v in values):
+            raise TypeError(
+                f"metric {name!r} is {type(value).__name__}: pass Python floats/ints or lists of them "
+                "(call .item()/.tolist() once, on logging steps)."
+            )
+
+
+def finite_or_null(value: Any) -> Any:
+    """JSON has no NaN/Infinity: write non-finite floats as null so any JSON reader parses the file."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, list):
+        return [finite_or_null(v) for v in value]
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    return value
+
+
+def flatten_scalars(metrics: dict[str, Any]) -> dict[str, float]:
+    """Scalars as they are; per-position lists as ``{name}/pos_{k}`` for block positions k >= 1."""
+    out: dict[str, float] = {}
+    for name, value in metrics.items():
+        if isinstance(value, list):
+            out.update({f"{name}/pos_{i + 1}": float(v) for i, v in enumerate(value)})
+        else:
+            out[name] = float(value)
+    return out
+
+
+def format_duration(seconds: float) -> str:
+    """``42s``, ``4m10s``, ``3h05m``, ``2d07h``."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def format_count(value: float) -> str:
+    """``950``, ``12.3K``, ``1.25M``."""
+    if value >= 1e6:
+        return f"{value / 1e6:.2f}M"
+    if value >= 1e3:
+        return f"{value / 1e3:.1f}K"
+    return f"{value:.0f}"

@@ -1,0 +1,423 @@
+"""The training loop: frozen target features -> drafter forward/backward -> optimizer step.
+
+One process per GPU (or one CPU process), one thread doing all device work. ``train()`` builds
+the run, then loops over optimizer steps: step, log, save. Every decision that changes control
+flow (stop on SIGTERM, stop on a non-finite loss) is taken by all ranks together through one
+small all-reduce per step.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash_train.config import RunConfig, default_gamma, load_config
+from dflash_train.train import checkpoint as ckpt
+from dflash_train.train.faults import GracefulStop, Watchdog, any_rank_flags
+from dflash_train.train.flops import mfu, train_step_flops
+from dflash_train.train.logging import MetricsLogger, log_main
+from dflash_train.train.loss import add_metrics, block_targets, dflash_loss, loss_weights, summarize_metrics
+from dflash_train.train.parallel import (
+    DistInfo,
+    all_reduce_sum,
+    full_model_state,
+    full_optimizer_state,
+    init_distributed,
+    load_full_state,
+    unwrap,
+    wrap_drafter,
+)
+from dflash_train.train.step_timer import PhaseTimer
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class NonFiniteError(RuntimeError):
+    """Raised on every rank when any rank saw a non-finite loss or gradient norm."""
+
+
+@dataclass
+class TrainHooks:
+    """Test seams: called after backward (e.g. to inject a NaN) and after each optimizer step."""
+
+    after_backward: Any = None
+    after_step: Any = None
+
+
+@dataclass
+class Run:
+    """Everything a training run holds."""
+
+    cfg: RunConfig
+    info: DistInfo
+    target: Any
+    draft_config: Any
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    data: Any
+    total_steps: int
+    gamma: float
+    step: int = 0
+    counters: dict[str, float] = field(default_factory=lambda: {"skipped_steps": 0, "tokens": 0.0})
+
+
+def run_training(recipe: str, overrides: list[str]) -> dict[str, Any]:
+    """CLI entry: ``dflash-train train RECIPE key=value ...``."""
+    return train(load_config(recipe, overrides))
+
+
+def train(cfg: RunConfig, hooks: TrainHooks | None = None) -> dict[str, Any]:
+    """Build the run, then loop over optimizer steps until done, stopped or failed."""
+    hooks = hooks or TrainHooks()
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    info = init_distributed(cfg.train.device)
+    run = build_run(cfg, info)
+    out_dir = Path(cfg.output_dir)
+    logger = MetricsLogger(out_dir, cfg.logging, total_steps=run.total_steps, is_main=info.is_main, config_dict=cfg.to_dict(), start_step=run.step)
+    timer = PhaseTimer(info.device)
+    metrics_sum, last_loss, saved = None, float("nan"), None
+    log_t0, log_step0 = time.perf_counter(), run.step
+    with GracefulStop() as stop, Watchdog(cfg.train.watchdog_s, out_dir / "watchdog-stacks.txt") as watchdog:
+        while run.step < run.total_steps:
+            watchdog.beat(run.step)
+            result = train_step(run, timer, hooks, stop_requested=stop.requested)
+            metrics_sum = add_metrics(metrics_sum, result["stats"])
+            stopping = result["stop"]  # agreed by all ranks inside the step
+            if run.step % cfg.logging.every_steps == 0 or run.step == run.total_steps or stopping:
+                row = log_metrics(run, result, metrics_sum, timer, time.perf_counter() - log_t0, run.step - log_step0)
+                last_loss = row["loss"]
+                logger.log(run.step, row)
+                metrics_sum, log_t0, log_step0 = None, time.perf_counter(), run.step
+            logger.advance(run.step)
+            if stopping or run.step % cfg.checkpoint.every_steps == 0 or run.step == run.total_steps:
+                saved = save(run)
+            if stopping:
+                log_main(f"SIGTERM: saved {saved} at step {run.step}; exiting")
+                break
+    export = export_final(run) if run.step >= run.total_steps else None
+    logger.close()
+    return {
+        "step": run.step,
+        "loss": last_loss,
+        "tau": logger.last.get("tau"),
+        "checkpoint": str(saved) if saved else None,
+        "export": str(export) if export else None,
+    }
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def build_run(cfg: RunConfig, info: DistInfo) -> Run:
+    """Target, drafter, optimizer, schedule and data; then resume if a checkpoint exists."""
+    seed_everything(cfg.train.seed)
+    target = build_target(cfg, info)
+    draft_config, model = build_drafter(cfg, target, info)
+    optimizer = build_optimizer(model, cfg, info)
+    data = build_data(cfg, target, info)
+    total = cfg.train.max_steps or cfg.train.num_epochs * (data.steps_per_epoch // cfg.train.grad_accum)
+    if total < 1:
+        raise ValueError(f"the data gives {data.steps_per_epoch} micro-batches per epoch per rank, fewer than train.grad_accum={cfg.train.grad_accum}: add data, lower grad_accum or set train.max_steps.")
+    scheduler = build_scheduler(optimizer, cfg, total)
+    gamma = cfg.train.gamma or default_gamma(cfg.drafter.block_size)
+    run = Run(cfg=cfg, info=info, target=target, draft_config=draft_config, model=model, optimizer=optimizer, scheduler=scheduler, data=data, total_steps=total, gamma=gamma)
+    if info.is_main:
+        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+        cfg.to_yaml(Path(cfg.output_dir) / "config.yaml")
+    maybe_resume(run)
+    log_main(f"training: {total} steps, {sum(p.numel() for p in unwrap(model).parameters()) / 1e6:.1f}M drafter params, world {info.world_size}, device {info.device}, target kernels {getattr(target, 'kernels', {})}")
+    return run
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_target(cfg: RunConfig, info: DistInfo):
+    from dflash_train.models.target import load_target
+
+    return load_target(cfg.target, info.device)
+
+
+def build_drafter(cfg: RunConfig, target, info: DistInfo):
+    """Resolve the drafter shape against the target, build it in fp32 (master weights) and wrap it."""
+    from dflash_train.models.drafter import DFlashDrafter
+    from dflash_train.models.presets import resolve_drafter_config
+    from dflash_train.models.target import validate_target_for_drafter
+
+    mask = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id >= 0 else None
+    if mask is None and cfg.drafter.preset in ("from-target", "tiny"):
+        mask = getattr(target.tokenizer, "mask_token_id", None)
+        if mask is None:
+            raise ValueError("the target tokenizer has no mask token: set drafter.mask_token_id to an unused embedding row (not pad/eos).")
+    draft_config = resolve_drafter_config(cfg.drafter, target.config, target_layer_ids=target.target_layer_ids, mask_token_id=mask, torch_dtype=cfg.train.dtype)
+    validate_target_for_drafter(target, draft_config)
+    torch.manual_seed(cfg.train.seed)
+    drafter = DFlashDrafter(draft_config).to(info.device, torch.float32)
+    if cfg.drafter.init_from:
+        from dflash_train.models.export import load_drafter
+
+        loaded, _ = load_drafter(cfg.drafter.init_from, device="cpu", dtype=torch.float32)
+        drafter.load_state_dict(loaded.state_dict())
+    apply_compile_and_checkpointing(drafter, cfg)
+    model = wrap_drafter(drafter, cfg.train.parallel, DTYPES[cfg.train.dtype], info)
+    return draft_config, model
+
+
+def apply_compile_and_checkpointing(drafter: nn.Module, cfg: RunConfig) -> None:
+    """Per-layer activation checkpointing and torch.compile (main thread only, fixed shapes)."""
+    from torch.utils.checkpoint import checkpoint
+
+    for i, layer in enumerate(drafter.layers):
+        if cfg.train.activation_checkpointing:
+            layer.forward = _checkpointed(layer.forward, checkpoint)
+        if cfg.train.compile:
+            drafter.layers[i] = torch.compile(layer, dynamic=False)
+
+
+def _checkpointed(fn, checkpoint):
+    def wrapped(*args, **kwargs):
+        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+    return wrapped
+
+
+def build_optimizer(model: nn.Module, cfg: RunConfig, info: DistInfo) -> torch.optim.Optimizer:
+    t = cfg.train
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = info.device.type == "cuda"
+    return torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, fused=fused)
+
+
+def lr_multiplier(step: int, total: int, warmup_ratio: float, schedule: str, min_ratio: float) -> float:
+    """Linear warm-up, then cosine / linear decay to ``min_ratio`` (or constant)."""
+    warmup = max(1, round(warmup_ratio * total)) if warmup_ratio > 0 else 0
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
+    return min_ratio + (1 - min_ratio) * shape
+
+
+def build_scheduler(optimizer, cfg: RunConfig, total: int):
+    t = cfg.train
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, total, t.warmup_ratio, t.lr_schedule, t.min_lr_ratio))
+
+
+def build_data(cfg: RunConfig, target, info: DistInfo):
+    from dflash_train.data.loader import build_train_data
+
+    if not cfg.data.paths:
+        raise ValueError("data.paths is empty: pass your chat data, e.g. data.paths=[regenerated.jsonl]")
+    if target.tokenizer is None:
+        raise ValueError(f"target {cfg.target.path} has no tokenizer; training needs one to apply the chat template.")
+    return build_train_data(cfg.data, target.tokenizer, seed=cfg.train.seed, rank=info.rank, world_size=info.world_size)
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def train_step(run: Run, timer: PhaseTimer, hooks: TrainHooks, stop_requested: bool = False) -> dict[str, Any]:
+    """One optimizer step over ``grad_accum`` micro-batches: features -> drafter fwd/bwd -> update."""
+    cfg, info = run.cfg, run.info
+    micro = [prepare_micro_batch(run, batch, epoch) for batch, epoch in (run.data.next_batch() for _ in range(cfg.train.grad_accum))]
+    # The loss normalises by the weight of the whole optimizer step on every rank.
+    denom = all_reduce_sum(torch.stack([m["weights"].sum() for m in micro]).sum())
+    loss_total = torch.zeros((), device=info.device)
+    stats_sum, flops = None, 0
+    for i, m in enumerate(micro):
+        with timer.phase("target"):
+            features = run.target.features(m["input_ids"], m["attention_mask"])
+        with timer.phase("drafter"), no_sync_unless_last(run.model, i == len(micro) - 1):
+            hidden = run.model(features, m["input_ids"], m["anchors"], m["keep"], run.target.embed_tokens, backend=resolve_backend(cfg, info), sdpa_anchor_chunk=cfg.train.sdpa_anchor_chunk)
+            loss, stats = dflash_loss(hidden.to(run.target.lm_head.weight.dtype), run.target.lm_head.weight, m["labels"], m["label_valid"], m["keep"], gamma=run.gamma, denom=denom, chunk_tokens=cfg.train.loss_chunk_tokens)
+            # DDP/FSDP average gradients over ranks; the loss is already a global sum, so undo the mean.
+            (loss * info.world_size).backward()
+        loss_total += loss.detach()
+        stats_sum = add_metrics(stats_sum, stats)
+        stats_sum["real_tokens"] = stats_sum.get("real_tokens", 0) + m["attention_mask"].sum()
+        flops += step_flops(run, m)
+        del features, hidden
+    if hooks.after_backward:
+        hooks.after_backward(run)
+    with timer.phase("optimizer"):
+        grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.train.clip_grad_norm)
+        loss_total = all_reduce_sum(loss_total)
+        # The one host sync of a step: every rank must agree before the update (non-finite, SIGTERM).
+        bad = ~torch.isfinite(loss_total) | ~torch.isfinite(grad_norm)
+        nonfinite, stop = any_rank_flags([bad, stop_requested], info.device)
+        if nonfinite:
+            run.optimizer.zero_grad(set_to_none=True)
+            handle_nonfinite(run, float(loss_total), float(grad_norm))
+        else:
+            run.optimizer.step()
+            run.optimizer.zero_grad(set_to_none=True)
+            run.scheduler.step()
+    run.step += 1
+    if hooks.after_step:
+        hooks.after_step(run)
+    return {"loss": loss_total, "grad_norm": grad_norm, "stats": stats_sum, "flops": flops, "stop": stop}
+
+
+def handle_nonfinite(run: Run, loss: float, grad_norm: float) -> None:
+    """Stop every rank before the update (default) or skip the step and count it."""
+    if run.cfg.train.nonfinite == "skip":
+        run.counters["skipped_steps"] += 1
+        log_main(f"step {run.step}: non-finite loss {loss} or grad norm {grad_norm} on some rank; step skipped (train.nonfinite=skip)")
+        return
+    raise NonFiniteError(
+        f"step {run.step}: non-finite loss ({loss}) or gradient norm ({grad_norm}) on at least one rank; stopped before the optimizer step, "
+        "no checkpoint written after it. Lower train.lr, check the data, or set train.nonfinite=skip to skip such steps."
+    )
+
+
+def prepare_micro_batch(run: Run, batch, epoch: int) -> dict[str, torch.Tensor]:
+    """Move a batch to the device, draw its anchors and build labels and loss weights."""
+    from dflash_train.data.anchors import sample_anchors
+
+    dev = run.info.device
+    input_ids = batch.input_ids.to(dev, non_blocking=True)
+    loss_mask = batch.loss_mask.to(dev, non_blocking=True)
+    attention_mask = batch.attention_mask.to(dev, non_blocking=True)
+    anchors, keep = sample_anchors(loss_mask, run.cfg.train.num_anchors, run.cfg.train.seed, epoch, batch.sample_index.to(dev))
+    labels, label_valid = block_targets(input_ids, loss_mask, anchors, run.cfg.drafter.block_size)
+    weights = loss_weights(keep, label_valid, run.gamma)
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention_mask, "anchors": anchors, "keep": keep, "labels": labels, "label_valid": label_valid, "weights": weights}
+
+
+def resolve_backend(cfg: RunConfig, info: DistInfo) -> str:
+    if cfg.train.attention_backend != "auto":
+        return cfg.train.attention_backend
+    return "flex" if info.device.type == "cuda" else "sdpa"
+
+
+class no_sync_unless_last:
+    """Skip DDP's gradient all-reduce on all but the last micro-batch of a step."""
+
+    def __init__(self, model: nn.Module, last: bool):
+        self.ctx = model.no_sync() if (not last and hasattr(model, "no_sync")) else None
+
+    def __enter__(self):
+        return self.ctx.__enter__() if self.ctx else None
+
+    def __exit__(self, *exc):
+        return self.ctx.__exit__(*exc) if self.ctx else False
+
+
+def step_flops(run: Run, m: dict[str, torch.Tensor]) -> float:
+    rows, seq_len = m["input_ids"].shape
+    return train_step_flops(run.target.config, run.draft_config, seq_len=seq_len, num_anchors=m["anchors"].shape[1], rows=rows)["total"]
+
+
+# ----------------------------------------------------------------------------- logging
+
+
+def log_metrics(run: Run, result: dict, metrics_sum: dict, timer: PhaseTimer, seconds: float, steps: int) -> dict[str, Any]:
+    """Reduce the summed metrics over ranks and turn them into one log row (a log step only)."""
+    info = run.info
+    for value in metrics_sum.values():
+        all_reduce_sum(value)
+    phases = timer.collect()
+    summary = summarize_metrics({k: v for k, v in metrics_sum.items() if k != "real_tokens"})
+    real_tokens = float(metrics_sum["real_tokens"])
+    step_s = seconds / max(steps, 1)
+    row = {
+        "loss": float(result["loss"]),
+        "lr": run.scheduler.get_last_lr()[0],
+        "grad_norm": float(result["grad_norm"]),
+        **summary,
+        "tokens_per_s": real_tokens / max(seconds, 1e-9),
+        "tokens_per_s_per_rank": real_tokens / max(seconds, 1e-9) / info.world_size,
+        "step_s": step_s,
+        "mfu": mfu(result["flops"], step_s) if info.device.type == "cuda" else 0.0,
+        "time_target_s": phases.get("target", 0.0) / max(steps, 1),
+        "time_drafter_s": phases.get("drafter", 0.0) / max(steps, 1),
+        "time_optimizer_s": phases.get("optimizer", 0.0) / max(steps, 1),
+        "skipped_steps": run.counters["skipped_steps"],
+        "epoch": run.data.epoch,
+        **{f"data_{k}": v for k, v in run.data.log_stats().items()},
+    }
+    if info.device.type == "cuda":
+        row["peak_mem_gb"] = torch.cuda.max_memory_allocated(info.device) / 1e9
+    return row
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def save(run: Run) -> Path | None:
+    """Gather the full state from every rank; rank 0 writes it atomically."""
+    model_state = full_model_state(run.model)
+    optim_state = full_optimizer_state(run.model, run.optimizer)
+    path = None
+    if run.info.is_main:
+        train_state = {
+            "step": run.step,
+            "optimizer": optim_state,
+            "scheduler": run.scheduler.state_dict(),
+            "data": run.data.state_dict(),
+            "counters": dict(run.counters),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        }
+        path = ckpt.save_checkpoint(
+            run.cfg.output_dir,
+            run.step,
+            drafter_state=model_state,
+            drafter_config=run.draft_config.to_serving_dict(),
+            train_state=train_state,
+            config_yaml=run.cfg.to_yaml(),
+            keep_last=run.cfg.checkpoint.keep_last,
+        )
+    _barrier(run.info)
+    return path or ckpt.checkpoints_root(run.cfg.output_dir) / f"step-{run.step:08d}"
+
+
+def _barrier(info: DistInfo) -> None:
+    if info.distributed:
+        torch.distributed.barrier()
+
+
+def maybe_resume(run: Run) -> None:
+    """``resume: auto`` continues from the newest committed checkpoint of output_dir."""
+    mode = run.cfg.checkpoint.resume
+    path = None if mode == "never" else (ckpt.latest_checkpoint(run.cfg.output_dir) if mode == "auto" else Path(mode))
+    if path is None:
+        return
+    loaded = ckpt.load_checkpoint(path)
+    ckpt.check_resume_compatible(loaded["config"], run.cfg.to_dict(), run.cfg.checkpoint.allow_changed)
+    state = loaded["train_state"]
+    load_full_state(run.model, run.optimizer, loaded["drafter_state"], state["optimizer"])
+    run.scheduler.load_state_dict(state["scheduler"])
+    run.data.load_state_dict(state["data"])
+    run.counters.update(state["counters"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    run.step = state["step"]
+    log_main(f"resumed from {path} at step {run.step}")
+
+
+def export_final(run: Run) -> Path | None:
+    """Write the trained drafter in the serving layout to ``output_dir/export`` (rank 0)."""
+    from dflash_train.models.drafter import DFlashDrafter
+    from dflash_train.models.export import save_drafter
+
+    state = full_model_state(run.model)
+    out = Path(run.cfg.output_dir) / "export"
+    if run.info.is_main:
+        drafter = DFlashDrafter(run.draft_config)
+        drafter.load_state_dict(state)
+        save_drafter(drafter, run.draft_config, out, dtype=run.cfg.train.dtype)
+    _barrier(run.info)
+    return out
