@@ -1,0 +1,77 @@
+"""Anchor sampling (DESIGN.md §1): a fixed number of anchors per row with a keep-mask.
+
+Valid anchors are positions ``a`` with ``loss_mask[a]`` and ``loss_mask[a + 1]``. Each row draws
+``min(A, #valid)`` of them uniformly without replacement, sorted ascending and padded to exactly
+``A``; padding slots have ``keep = False`` and anchor value 0 (always in range, never scored).
+
+The draw is the A smallest of independent uniform random keys over the valid positions, which is
+a uniformly random subset. Keys come from a counter-based hash (splitmix64) of
+(seed, epoch, sample_index, position) computed with int64 tensor ops, so the result is a pure
+function of those four numbers: identical on CPU and CUDA, across resumes, and independent of the
+batch a row lands in. Shapes are fixed and nothing syncs with the host (no nonzero, no randperm).
+Integer overflow in torch wraps in two's complement on every backend, which the hash relies on.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Legend: R rows, L sequence, A anchors.
+INT64_MAX = 2**63 - 1
+GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # splitmix64 constants as signed int64
+MIX1 = 0xBF58476D1CE4E5B9 - 2**64
+MIX2 = 0x94D049BB133111EB - 2**64
+
+
+def shift_right_logical(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``x >>> bits`` on int64: torch's ``>>`` is arithmetic, so clear the sign-extended bits."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """The splitmix64 finaliser of ``x + golden``: a bijective, well-mixed int64 -> int64 hash."""
+    z = x + GOLDEN
+    z = (z ^ shift_right_logical(z, 30)) * MIX1
+    z = (z ^ shift_right_logical(z, 27)) * MIX2
+    return z ^ shift_right_logical(z, 31)
+
+
+def anchor_keys(seed: int, epoch: int, sample_index: torch.Tensor, length: int) -> torch.Tensor:
+    """Uniform random keys in [0, 2**62) per (row, position): [R, length] int64."""
+    device = sample_index.device
+    base = splitmix64(torch.tensor([seed], dtype=torch.int64, device=device))
+    base = splitmix64(base ^ torch.tensor([epoch], dtype=torch.int64, device=device))
+    row = splitmix64(base ^ sample_index.to(torch.int64))  # [R]
+    positions = torch.arange(length, dtype=torch.int64, device=device)
+    keys = splitmix64(row[:, None] ^ splitmix64(positions)[None, :])
+    return shift_right_logical(keys, 2)  # top 62 bits: non-negative, below the invalid key
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor, num_anchors: int, seed: int, epoch: int, sample_index: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample anchors for a batch: ``(anchors [R, A] long, keep [R, A] bool)``.
+
+    ``loss_mask`` is [R, L] bool, ``sample_index`` [R] long (the global row index; filler rows
+    with -1 have an all-false mask and so get no anchors).
+    """
+    num_rows, length = loss_mask.shape
+    if num_anchors < 1 or length < 2:
+        raise ValueError(f"sample_anchors needs num_anchors >= 1 and L >= 2, got A={num_anchors}, L={length}")
+    valid = loss_mask[:, :-1] & loss_mask[:, 1:]  # [R, L-1]: position L-1 has no next token
+    keys = anchor_keys(seed, epoch, sample_index, length - 1)
+    keys = torch.where(valid, keys, torch.full_like(keys, INT64_MAX))
+    k = min(num_anchors, length - 1)
+    smallest, positions = torch.topk(keys, k, dim=1, largest=False)  # [R, k]
+    keep = smallest < INT64_MAX
+    # Sort kept anchors ascending and push padding slots to the end (their order is irrelevant:
+    # they all become anchor 0 with keep=False, so tie order cannot change the result).
+    order_key = torch.where(keep, positions, positions + length)
+    order_key, _ = torch.sort(order_key, dim=1)
+    keep = order_key < length
+    anchors = torch.where(keep, order_key, torch.zeros_like(order_key))
+    if k < num_anchors:
+        pad = num_anchors - k
+        anchors = torch.cat([anchors, anchors.new_zeros(num_rows, pad)], dim=1)
+        keep = torch.cat([keep, keep.new_zeros(num_rows, pad)], dim=1)
+    return anchors, keep

@@ -1,0 +1,250 @@
+"""Tokenize a dataset once, in parallel, into an on-disk cache that loads instantly.
+
+Cache layout (one directory per key): ``ids.bin`` (int32, all rows concatenated), ``mask.bin``
+(uint8 loss mask, same length), ``offsets.npy`` (int64 [N+1]), ``rows.npy`` (int64 [N, 2]: file
+index, line), ``meta.json`` (files, skip counts, settings). Arrays are memory-mapped, so a dataset
+larger than RAM works. The key hashes everything that changes the tokens: the tokenizer (its full
+serialisation), the chat template, ``data.format``/``data.thinking`` and, per data file, its path,
+size and mtime. Bucket and over-length settings are applied after loading, so changing them never
+re-tokenizes. The directory is written under a temporary name and renamed when complete, so a
+crash never leaves a half cache that looks valid.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+
+import numpy as np
+
+from dflash_train.config import DataConfig
+from dflash_train.data.readers import ChatRow, expand_paths, fingerprint, format_where, iter_chat_rows
+from dflash_train.data.skips import BadRowError, SkipCounts
+from dflash_train.data.tokenize import check_tokenizer, tokenize_chat
+
+CACHE_VERSION = 1
+ROWS_PER_TASK = 32
+
+
+@dataclass
+class TokenizedData:
+    """Every usable row of a dataset: ids and loss mask, plus where each row came from."""
+
+    ids: np.ndarray  # int32 [T], all rows concatenated
+    loss_mask: np.ndarray  # bool [T]
+    offsets: np.ndarray  # int64 [N + 1]
+    origins: np.ndarray  # int64 [N, 2]: index into files, line
+    response_counts: np.ndarray  # int64 [N]: loss-mask tokens per row
+    files: list[str]
+    skips: SkipCounts
+    directory: Path | None = None
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def row(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        lo, hi = self.offsets[index], self.offsets[index + 1]
+        return self.ids[lo:hi], self.loss_mask[lo:hi]
+
+    def where(self, index: int) -> str:
+        file_index, line = self.origins[index]
+        return format_where(self.files[file_index], int(line))
+
+
+# ----------------------------------------------------------------------------- keys
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("DFLASH_TRAIN_CACHE") or Path.home() / ".cache" / "dflash-train"
+    return Path(root) / "tokenized"
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Hash of the whole tokenizer (vocab, merges, normalizer, added tokens)."""
+    if getattr(tokenizer, "is_fast", False):
+        text = tokenizer.backend_tokenizer.to_str()
+    else:
+        text = json.dumps(sorted(tokenizer.get_vocab().items()))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def cache_key(cfg: DataConfig, tokenizer, files: list[str]) -> str:
+    settings = {
+        "version": CACHE_VERSION,
+        "tokenizer": tokenizer_fingerprint(tokenizer),
+        "chat_template": tokenizer.chat_template,
+        "format": cfg.format,
+        "thinking": cfg.thinking,
+        "files": fingerprint(files),
+    }
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def cache_path(cfg: DataConfig, tokenizer, files: list[str]) -> Path:
+    root = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
+    return root / cache_key(cfg, tokenizer, files)
+
+
+# ----------------------------------------------------------------------------- load / build
+
+
+def load_or_build(cfg: DataConfig, tokenizer, *, build: bool = True) -> TokenizedData | None:
+    """The tokenized dataset of ``cfg``: from the cache, or built now (None if absent and not build)."""
+    files = expand_paths(cfg.paths)
+    directory = cache_path(cfg, tokenizer, files)
+    if (directory / "meta.json").is_file():
+        return load_cache(directory, cfg.max_bad_rows)
+    if not build:
+        return None
+    build_cache(cfg, tokenizer, files, directory)
+    return load_cache(directory, cfg.max_bad_rows)
+
+
+def load_cache(directory: Path, max_bad_rows: int) -> TokenizedData:
+    meta = json.loads((directory / "meta.json").read_text())
+    skips = SkipCounts(max_bad_rows=max_bad_rows, by_reason=meta["skips"], examples=meta["examples"])
+    skips.check_limit()  # the cache may have been built under a higher data.max_bad_rows
+    num_tokens = meta["num_tokens"]
+    return TokenizedData(
+        ids=memmap(directory / "ids.bin", np.int32, num_tokens),
+        loss_mask=memmap(directory / "mask.bin", np.bool_, num_tokens),
+        offsets=np.load(directory / "offsets.npy"),
+        origins=np.load(directory / "rows.npy"),
+        response_counts=np.load(directory / "response.npy"),
+        files=meta["files"],
+        skips=skips,
+        directory=directory,
+    )
+
+
+def memmap(path: Path, dtype, count: int) -> np.ndarray:
+    if count == 0:  # np.memmap refuses empty files
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+
+
+def build_cache(cfg: DataConfig, tokenizer, files: list[str], directory: Path) -> None:
+    """Read, tokenize (``cfg.num_workers`` processes) and write; raises past ``max_bad_rows``."""
+    check_tokenizer(tokenizer)
+    skips = SkipCounts(max_bad_rows=cfg.max_bad_rows)
+    staging = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
+    staging.mkdir(parents=True, exist_ok=True)
+    try:
+        offsets, origins, response_counts = write_rows(cfg, tokenizer, files, skips, staging)
+        np.save(staging / "response.npy", np.asarray(response_counts, dtype=np.int64))
+        np.save(staging / "offsets.npy", np.asarray(offsets, dtype=np.int64))
+        np.save(staging / "rows.npy", np.asarray(origins, dtype=np.int64).reshape(-1, 2))
+        meta = {
+            "files": files,
+            "num_tokens": offsets[-1],
+            "skips": skips.by_reason,
+            "examples": skips.examples,
+        }
+        meta["settings"] = {"format": cfg.format, "thinking": cfg.thinking}
+        (staging / "meta.json").write_text(json.dumps(meta, indent=1))
+        publish(staging, directory)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def publish(staging: Path, directory: Path) -> None:
+    try:
+        os.rename(staging, directory)
+    except OSError:
+        if not (directory / "meta.json").is_file():  # another rank finished first: keep its copy
+            raise
+
+
+def write_rows(cfg, tokenizer, files, skips: SkipCounts, staging: Path) -> tuple[list, list, list]:
+    """Stream tokenized rows into ids.bin/mask.bin; returns offsets, (file, line) and response counts."""
+    from tqdm.auto import tqdm
+
+    file_index = {f: i for i, f in enumerate(files)}
+    rows = iter_chat_rows(files, skips, cfg.format, cfg.streaming)
+    offsets, origins, response_counts = [0], [], []
+    with (
+        open(staging / "ids.bin", "wb") as ids_out,
+        open(staging / "mask.bin", "wb") as mask_out,
+        tqdm(desc="tokenizing", unit=" rows", disable=None, file=sys.stderr) as bar,
+    ):
+        for row, (ids, mask, error) in tokenized_rows(rows, tokenizer, cfg):
+            bar.update(1)
+            if error is None:
+                error = trainability_error(mask)
+            if error is not None:
+                skips.record(error.reason, row.where, error.detail)
+                continue
+            ids_out.write(ids.tobytes())
+            mask_out.write(mask.astype(np.uint8).tobytes())
+            offsets.append(offsets[-1] + len(ids))
+            origins.append((file_index[row.source], row.line))
+            response_counts.append(int(mask.sum()))
+    return offsets, origins, response_counts
+
+
+def trainability_error(mask: np.ndarray) -> BadRowError | None:
+    """A row trains the drafter only if some anchor a has loss_mask[a] and loss_mask[a+1]."""
+    if not mask.any():
+        return BadRowError("no_response_tokens", "no assistant tokens after templating (all labels masked)")
+    if not (mask[:-1] & mask[1:]).any():
+        return BadRowError("no_valid_anchor", "fewer than 2 consecutive response tokens (no valid anchor)")
+    return None
+
+
+# ----------------------------------------------------------------------------- workers
+
+_WORKER: dict = {}
+
+
+def init_worker(tokenizer, thinking) -> None:
+    _WORKER["tokenizer"], _WORKER["thinking"] = tokenizer, thinking
+
+
+def tokenize_task(conversations: list[list[dict]]) -> list[tuple]:
+    results = []
+    for messages in conversations:
+        try:
+            ids, mask = tokenize_chat(_WORKER["tokenizer"], messages, _WORKER["thinking"])
+            results.append((ids, mask, None))
+        except BadRowError as err:
+            results.append((None, None, err))
+    return results
+
+
+def tokenized_rows(rows: Iterator[ChatRow], tokenizer, cfg: DataConfig) -> Iterator[tuple[ChatRow, tuple]]:
+    """(row, (ids, mask, error)) in input order, tokenized by ``cfg.num_workers`` processes."""
+    chunks = iter(lambda: list(islice(rows, ROWS_PER_TASK)), [])
+    if cfg.num_workers <= 1:
+        init_worker(tokenizer, cfg.thinking)
+        for chunk in chunks:
+            yield from zip(chunk, tokenize_task([r.messages for r in chunk]))
+        return
+    # fork: workers inherit the tokenizer without pickling and start in milliseconds; they only
+    # run Python/Rust tokenization, never CUDA, so forking a CUDA-initialised parent is safe.
+    ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+    with ctx.Pool(cfg.num_workers, initializer=init_worker, initargs=(tokenizer, cfg.thinking)) as pool:
+        # Reading stays in this thread (skips are counted in order) and only a bounded window of
+        # chunks is in flight, so memory does not grow with the dataset.
+        in_flight: deque = deque()
+        for chunk in chunks:
+            in_flight.append((chunk, pool.apply_async(tokenize_task, ([r.messages for r in chunk],))))
+            if len(in_flight) >= 4 * cfg.num_workers:
+                done, result = in_flight.popleft()
+                yield from zip(done, result.get())
+        while in_flight:
+            done, result = in_flight.popleft()
+            yield from zip(done, result.get())

@@ -1,0 +1,263 @@
+"""Training order, data-parallel sharding and resume.
+
+Epoch plan, a pure function of (seed, epoch): within every bucket the rows are shuffled and cut
+into fixed-shape batches; each bucket's batches are grouped ``world_size`` at a time (one per rank,
+so every rank runs the same shape at the same step and no rank waits on a longer bucket); the
+groups of all buckets are then shuffled together. Step ``s`` of rank ``r`` is member ``r`` of group
+``s``, so every rank has exactly ``steps_per_epoch`` steps. A bucket whose batch count is not a
+multiple of ``world_size`` gets filler batches (all rows filler: zero masks, ``sample_index`` -1)
+rather than dropping data: dropping would starve rare buckets (the longest rows) on many ranks.
+
+``state_dict()`` is (epoch, position): the next batch to hand out. Resuming from it replays
+exactly the batches an uninterrupted run would have seen, on any rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from dflash_train.config import DataConfig
+from dflash_train.data.batching import Batch, assemble_batch, bucket_of, padding_waste, rows_per_batch
+from dflash_train.data.cache import TokenizedData, load_or_build
+from dflash_train.data.skips import SkipCounts
+
+
+@dataclass
+class DataStats:
+    """What the data looks like after filtering; logged by the trainer and saved with the run."""
+
+    num_rows: int
+    num_tokens: int
+    num_response_tokens: int
+    rows_per_bucket: dict[int, int]
+    batches_per_bucket: dict[int, int]
+    rows_per_batch: dict[int, int]
+    steps_per_epoch: int
+    padding_waste: float
+    skips: dict[str, int]
+    num_skipped: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class TrainData:
+    """Iterable of fixed-shape ``Batch`` for one data-parallel rank, resumable at any step.
+
+    Iterating yields the rest of the current epoch, then advances ``epoch``; loop with
+    ``while data.epoch < num_epochs: for batch in data: ...``. Step-based loops call
+    ``next_batch()``, which crosses epoch boundaries by itself. Both share one position.
+    """
+
+    def __init__(
+        self,
+        tokenized: TokenizedData,
+        cfg: DataConfig,
+        *,
+        seed: int,
+        rank: int,
+        world_size: int,
+        pad_id: int,
+        batch_rows_multiple: int = 1,
+    ):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        self.tokenized, self.cfg = tokenized, cfg
+        self.seed, self.rank, self.world_size, self.pad_id = seed, rank, world_size, pad_id
+        self.buckets = list(cfg.seq_buckets)
+        self.rows_per_batch = rows_per_batch(self.buckets, cfg.token_budget, batch_rows_multiple)
+        self.skips = SkipCounts(max_bad_rows=cfg.max_bad_rows)
+        self.skips.merge(tokenized.skips)
+        self.row_index, self.row_length, self.row_response = self._apply_overlong_policy()
+        self.row_bucket = bucket_of(self.row_length, self.buckets)
+        self.groups_per_bucket = [self._num_groups(b) for b in range(len(self.buckets))]
+        self.steps_per_epoch = sum(self.groups_per_bucket)
+        self.epoch, self.position = 0, 0
+        self._plan_epoch, self._plan = -1, []
+        self.stats = self._compute_stats()
+
+    # ------------------------------------------------------------------ filtering
+
+    def _apply_overlong_policy(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Kept rows (global indices), their lengths after truncation and response token counts."""
+        data, max_len = self.tokenized, self.buckets[-1]
+        lengths, response = data.lengths.copy(), data.response_counts.copy()
+        keep = np.ones(data.num_rows, dtype=bool)
+        for i in np.flatnonzero(lengths > max_len):
+            if self.cfg.overlong == "drop":
+                self.skips.record("overlong_dropped", data.where(i), f"{lengths[i]} tokens > {max_len}")
+                keep[i] = False
+                continue
+            mask = np.asarray(data.row(i)[1][:max_len])
+            if not (mask[:-1] & mask[1:]).any():  # the whole response was beyond the cut
+                self.skips.record(
+                    "truncated_without_anchor", data.where(i), f"no response in first {max_len}"
+                )
+                keep[i] = False
+                continue
+            self.skips.record("overlong_truncated", data.where(i), f"{lengths[i]} tokens cut to {max_len}")
+            lengths[i], response[i] = max_len, int(mask.sum())
+        if not keep.any():
+            raise ValueError(
+                f"no usable rows in data.paths={self.cfg.paths} (skipped by reason: {self.skips.to_dict()}); "
+                "check the data format and data.seq_buckets"
+            )
+        return np.flatnonzero(keep), lengths[keep], response[keep]
+
+    def _num_groups(self, bucket: int) -> int:
+        num_batches = -(-int((self.row_bucket == bucket).sum()) // self.rows_per_batch[bucket])
+        return -(-num_batches // self.world_size)
+
+    def _compute_stats(self) -> DataStats:
+        counts = np.bincount(self.row_bucket, minlength=len(self.buckets))
+        batches = [g * self.world_size for g in self.groups_per_bucket]
+        return DataStats(
+            num_rows=len(self.row_index),
+            num_tokens=int(self.row_length.sum()),
+            num_response_tokens=int(self.row_response.sum()),
+            rows_per_bucket={L: int(n) for L, n in zip(self.buckets, counts)},
+            batches_per_bucket=dict(zip(self.buckets, batches)),
+            rows_per_batch=dict(zip(self.buckets, self.rows_per_batch)),
+            steps_per_epoch=self.steps_per_epoch,
+            padding_waste=padding_waste(
+                int(self.row_length.sum()), batches, self.rows_per_batch, self.buckets
+            ),
+            skips=self.skips.to_dict(),
+            num_skipped=self.skips.num_skipped,
+        )
+
+    # ------------------------------------------------------------------ order
+
+    def epoch_plan(self, epoch: int) -> list[list[np.ndarray]]:
+        """Groups of one epoch in step order; each group has ``world_size`` arrays of row indices
+        (positions into the kept rows), one per rank; an empty array is a filler batch."""
+        if epoch != self._plan_epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            groups: list[list[np.ndarray]] = []
+            for b, rows in enumerate(self.rows_per_batch):
+                members = rng.permutation(np.flatnonzero(self.row_bucket == b))
+                batches = [members[i : i + rows] for i in range(0, len(members), rows)]
+                batches += [members[:0]] * (self.groups_per_bucket[b] * self.world_size - len(batches))
+                ws = self.world_size
+                groups += [batches[i : i + ws] for i in range(0, len(batches), ws)]
+            self._plan = [groups[i] for i in rng.permutation(len(groups))]
+            self._plan_epoch = epoch
+        return self._plan
+
+    def batch_at(self, epoch: int, step: int) -> Batch:
+        """This rank's batch at ``step`` of ``epoch`` (random access, no state change)."""
+        group = self.epoch_plan(epoch)[step]
+        bucket = self._group_bucket(group)
+        indices = [int(self.row_index[m]) for m in group[self.rank]]
+        rows = [self.tokenized.row(i) for i in indices]
+        batch = assemble_batch(rows, indices, self.rows_per_batch[bucket], self.buckets[bucket], self.pad_id)
+        batch.epoch = epoch
+        return batch
+
+    def _group_bucket(self, group: list[np.ndarray]) -> int:
+        members = next(m for m in group if len(m))  # a group always holds at least one real batch
+        return int(self.row_bucket[members[0]])
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def __iter__(self):
+        self._normalize()
+        while self.position < self.steps_per_epoch:
+            batch = self.batch_at(self.epoch, self.position)
+            self.position += 1
+            yield batch
+        self.epoch, self.position = self.epoch + 1, 0
+
+    def next_batch(self) -> tuple[Batch, int]:
+        """The next batch and its epoch, rolling over epoch boundaries (for step-based loops)."""
+        self._normalize()
+        epoch = self.epoch
+        batch = self.batch_at(epoch, self.position)
+        self.position += 1
+        return batch, epoch
+
+    def log_stats(self) -> dict[str, float]:
+        """Scalar stats for the trainer's logger (the full ``stats`` go into the run folder)."""
+        s = self.stats
+        return {
+            "rows": s.num_rows,
+            "tokens": s.num_tokens,
+            "response_tokens": s.num_response_tokens,
+            "padding_waste": s.padding_waste,
+            "skipped_rows": s.num_skipped,
+            "steps_per_epoch": s.steps_per_epoch,
+        }
+
+    # ------------------------------------------------------------------ resume
+
+    def _normalize(self) -> None:
+        if self.position >= self.steps_per_epoch:
+            self.epoch, self.position = self.epoch + 1, 0
+
+    def state_dict(self) -> dict[str, int]:
+        """The next batch to hand out: ``{"epoch", "position"}`` (plus a shape check)."""
+        epoch, position = self.epoch, self.position
+        if position >= self.steps_per_epoch:
+            epoch, position = epoch + 1, 0
+        return {"epoch": epoch, "position": position, "steps_per_epoch": self.steps_per_epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state.get("steps_per_epoch", self.steps_per_epoch) != self.steps_per_epoch:
+            raise ValueError(
+                f"the data changed since the checkpoint: {state['steps_per_epoch']} steps per epoch then, "
+                f"{self.steps_per_epoch} now; restore the same data.paths/seq_buckets/token_budget "
+                "or start a new run"
+            )
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._normalize()
+
+
+def pad_token_id(tokenizer) -> int:
+    """Pad id for batches; its value never matters (masked), but it must be a real vocab row."""
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return int(candidate)
+    return 0
+
+
+def build_train_data(
+    cfg: DataConfig, tokenizer, *, seed: int, rank: int = 0, world_size: int = 1, batch_rows_multiple: int = 1
+) -> TrainData:
+    """Tokenize (or load the cache of) ``cfg.paths`` and return this rank's ``TrainData``."""
+    tokenized = load_tokenized(cfg, tokenizer, rank, world_size)
+    return TrainData(
+        tokenized,
+        cfg,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        pad_id=pad_token_id(tokenizer),
+        batch_rows_multiple=batch_rows_multiple,
+    )
+
+
+def load_tokenized(cfg: DataConfig, tokenizer, rank: int, world_size: int) -> TokenizedData:
+    """Rank 0 tokenizes while the others wait; every rank then loads the cache.
+
+    A node without a shared cache directory simply tokenizes again (same key, same result). A
+    failure on rank 0 (bad data) is broadcast so every rank raises the same error together.
+    """
+    import torch.distributed as dist
+
+    if world_size > 1 and dist.is_available() and dist.is_initialized():
+        message = [None]
+        if rank == 0:
+            try:
+                load_or_build(cfg, tokenizer)
+            except Exception as err:  # recovery boundary: every rank must learn about the failure
+                message = [f"{type(err).__name__}: {err}"]
+                dist.broadcast_object_list(message, src=0)
+                raise
+        dist.broadcast_object_list(message, src=0)
+        if message[0] is not None:
+            raise ValueError(f"data preparation failed on rank 0: {message[0]}")
+    return load_or_build(cfg, tokenizer)

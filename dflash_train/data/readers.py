@@ -1,0 +1,225 @@
+"""Chat data readers: JSONL files, directories of them, and anything ``datasets.load_dataset`` reads.
+
+Rows come in two forms, detected per row (``data.format=auto``) or forced:
+- ``messages``: ``{"messages": [{"role": "user", "content": "..."}, ...]}`` with roles
+  system/user/assistant/tool;
+- ShareGPT ``conversations``: ``{"conversations": [{"from": "human", "value": "..."}, ...]}`` with
+  human/gpt/system (mapped to user/assistant/system).
+
+Everything is a generator, so a file is never loaded whole, and every row carries its origin (file
+and 1-based line, or row index for ``datasets`` sources) so errors can point at it. Malformed JSON,
+invalid UTF-8 and rows that are not chats are reported to a ``SkipCounts`` (which raises past
+``data.max_bad_rows``) instead of being dropped silently.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash_train.data.skips import BadRowError, SkipCounts
+
+ROLES = ("system", "user", "assistant", "tool")
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "tool": "tool",
+}
+JSONL_SUFFIXES = (".jsonl", ".json")
+DATASET_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json"}
+DIRECTORY_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+@dataclass
+class ChatRow:
+    """One conversation in ``messages`` form with where it came from."""
+
+    messages: list[dict[str, Any]]
+    source: str
+    line: int  # 1-based line of a JSONL file, or 0-based row index of a datasets source
+    extra: dict[str, Any] | None = None  # the other top-level keys of the raw row (regen keeps them)
+
+    @property
+    def where(self) -> str:
+        return format_where(self.source, self.line)
+
+
+def format_where(source: str, line: int) -> str:
+    """``file:line`` for line-read JSONL (1-based), ``file row i`` for datasets sources (0-based)."""
+    return f"{source}:{line}" if reads_by_line(source) else f"{source} row {line}"
+
+
+@functools.lru_cache(maxsize=4096)
+def reads_by_line(file: str) -> bool:
+    return file.endswith(JSONL_SUFFIXES) and os.path.isfile(file) and not is_json_array(file)
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def expand_paths(paths: list[str]) -> list[str]:
+    """Files and directories (recursively: *.jsonl, *.json, *.parquet) to a sorted file list.
+
+    A path that does not exist is kept as is: it is taken for a hub dataset name.
+    """
+    if not paths:
+        raise ValueError(
+            "data.paths is empty: give JSONL files, directories or dataset names, e.g. data.paths=[chat.jsonl]"
+        )
+    files: list[str] = []
+    for path in paths:
+        p = Path(path)
+        if p.is_dir():
+            found = sorted(str(f) for f in p.rglob("*") if f.is_file() and f.suffix in DIRECTORY_SUFFIXES)
+            if not found:
+                raise ValueError(f"{path}: directory has no *.jsonl/*.json/*.parquet files")
+            files.extend(found)
+        else:
+            files.append(str(p) if p.exists() else path)
+    return files
+
+
+def fingerprint(files: list[str]) -> list[list[Any]]:
+    """(path, size, mtime_ns) per local file; hub names stand for themselves (cache keyed by name)."""
+    prints: list[list[Any]] = []
+    for f in files:
+        if os.path.isfile(f):
+            st = os.stat(f)
+            prints.append([os.path.abspath(f), st.st_size, st.st_mtime_ns])
+        else:
+            prints.append([f, None, None])
+    return prints
+
+
+def iter_raw_rows(file: str, skips: SkipCounts, streaming: bool = False) -> Iterator[tuple[int, dict]]:
+    """(line, row dict) of one source; bad lines are recorded in ``skips``."""
+    if reads_by_line(file):
+        yield from iter_jsonl(file, skips)
+    else:
+        yield from iter_dataset(file, streaming)
+
+
+def is_json_array(file: str) -> bool:
+    with open(file, "rb") as fh:
+        head = fh.read(4096).lstrip()
+    return head.startswith(b"[")
+
+
+def iter_jsonl(file: str, skips: SkipCounts) -> Iterator[tuple[int, dict]]:
+    """Parse a JSONL file line by line in binary, so invalid UTF-8 is caught per line."""
+    with open(file, "rb") as fh:
+        for line_no, data in enumerate(fh, start=1):
+            if not data.strip():
+                continue
+            where = format_where(file, line_no)
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError as err:
+                skips.record("invalid_utf8", where, f"invalid UTF-8 at byte {err.start}")
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as err:
+                skips.record("malformed_json", where, f"malformed JSON ({err.msg} at column {err.colno})")
+                continue
+            if not isinstance(row, dict):
+                skips.record(
+                    "not_a_chat_row", where, f"a row must be a JSON object, got {type(row).__name__}"
+                )
+                continue
+            yield line_no, row
+
+
+def iter_dataset(name: str, streaming: bool) -> Iterator[tuple[int, dict]]:
+    """Rows of a local parquet/json/csv/arrow file or a hub dataset (split 'train')."""
+    import datasets  # lazy: importing datasets costs about a second
+
+    builder = DATASET_SUFFIXES.get(Path(name).suffix)
+    if builder is not None and os.path.isfile(name):
+        ds = datasets.load_dataset(builder, data_files=name, split="train", streaming=streaming)
+    else:
+        ds = datasets.load_dataset(name, split="train", streaming=streaming)
+    yield from enumerate(ds)
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+def iter_chat_rows(
+    files: list[str],
+    skips: SkipCounts,
+    fmt: str = "auto",
+    streaming: bool = False,
+    require_assistant: bool = True,
+) -> Iterator[ChatRow]:
+    """Every usable conversation of ``files`` in order; bad rows are counted in ``skips``."""
+    for file in files:
+        for line, raw in iter_raw_rows(file, skips, streaming):
+            try:
+                messages = normalize_messages(raw, fmt)
+                if require_assistant and not any(m["role"] == "assistant" for m in messages):
+                    raise BadRowError("no_assistant_turn", "the conversation has no assistant turn")
+            except BadRowError as err:
+                skips.record(err.reason, format_where(file, line), err.detail)
+                continue
+            extra = {k: v for k, v in raw.items() if k not in ("messages", "conversations")}
+            yield ChatRow(messages=messages, source=file, line=line, extra=extra)
+
+
+def normalize_messages(raw: dict[str, Any], fmt: str = "auto") -> list[dict[str, Any]]:
+    """A raw row to a list of ``{"role", "content", ...}`` dicts; raises ``BadRowError``."""
+    if fmt == "auto":
+        fmt = "messages" if "messages" in raw else "sharegpt" if "conversations" in raw else ""
+    key = {"messages": "messages", "sharegpt": "conversations"}.get(fmt)
+    if key is None or key not in raw:
+        wanted = f"a '{key}' list" if key else "a 'messages' or 'conversations' list"
+        raise BadRowError("not_a_chat_row", f"row has no {wanted} (keys: {sorted(raw)[:8]})")
+    turns = raw[key]
+    if not isinstance(turns, list):
+        raise BadRowError("not_a_chat_row", f"'{key}' must be a list, got {type(turns).__name__}")
+    if not turns:
+        raise BadRowError("empty_messages", f"'{key}' is empty")
+    convert = to_message if key == "messages" else from_sharegpt
+    return [convert(turn, i) for i, turn in enumerate(turns)]
+
+
+def to_message(turn: Any, index: int) -> dict[str, Any]:
+    if not isinstance(turn, dict):
+        raise BadRowError("not_a_chat_row", f"message {index} is not an object")
+    role = turn.get("role")
+    if role not in ROLES:
+        raise BadRowError("unknown_role", f"message {index} has role {role!r}; use one of {list(ROLES)}")
+    # Arrow sources fill absent struct fields with None; drop them so templates see "undefined".
+    message = {k: v for k, v in turn.items() if v is not None}
+    message["content"] = content_text(turn.get("content"), index)
+    return message
+
+
+def from_sharegpt(turn: Any, index: int) -> dict[str, Any]:
+    if not isinstance(turn, dict):
+        raise BadRowError("not_a_chat_row", f"turn {index} is not an object")
+    speaker = turn.get("from")
+    if speaker not in SHAREGPT_ROLES:
+        raise BadRowError(
+            "unknown_role", f"turn {index} is from {speaker!r}; use one of {sorted(SHAREGPT_ROLES)}"
+        )
+    return {"role": SHAREGPT_ROLES[speaker], "content": content_text(turn.get("value"), index)}
+
+
+def content_text(content: Any, index: int) -> str:
+    """Message content as text: a string, None (empty), or OpenAI-style text parts joined."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(p.get("text") or "" for p in content)
+    raise BadRowError("not_a_chat_row", f"message {index} content must be text, got {type(content).__name__}")

@@ -1,0 +1,159 @@
+"""One conversation to token ids plus a loss mask over the assistant tokens.
+
+The text is the target tokenizer's own chat template (``apply_chat_template``), so the drafter
+trains on exactly what the target sees when it serves. ``data.thinking`` becomes the template's
+``enable_thinking`` switch when it is not null.
+
+The loss mask marks assistant tokens only. Templates with ``{% generation %}`` markers get it from
+transformers (``return_assistant_tokens_mask``). Others (Qwen's ChatML templates have none) get it
+from prefix renderings: for assistant turn i,
+- the history ``render(messages[:i])`` must be a prefix of the full rendering (else the template
+  is not prefix-stable and we refuse, since the mask would be a guess);
+- the response starts where ``render(messages[:i], add_generation_prompt=True)`` stops matching
+  the full text (the generation prompt is prompt, not response);
+- it ends after the turn (``render(messages[:i+1])`` without trailing whitespace) when that is a
+  prefix of the full text, otherwise after the template's turn-closing text (e.g. ``<|im_end|>``).
+  The second case covers templates such as Qwen3's that render the *last* assistant turn
+  differently from history turns (an empty ``<think></think>`` stub).
+Characters map to tokens through the fast tokenizer's offsets: a token is a response token when
+it starts inside a response span.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from dflash_train.data.skips import BadRowError
+
+GENERATION_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+SENTINEL = "\u2063dflash-sentinel\u2063"
+
+
+class TemplateError(ValueError):
+    """The chat template cannot give a trustworthy loss mask; fatal, not a per-row skip."""
+
+
+def template_kwargs(thinking: bool | None) -> dict[str, Any]:
+    return {} if thinking is None else {"enable_thinking": thinking}
+
+
+def has_generation_markers(tokenizer) -> bool:
+    template = tokenizer.chat_template
+    return isinstance(template, str) and bool(GENERATION_MARKER.search(template))
+
+
+def check_tokenizer(tokenizer) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "the target tokenizer has no chat_template; set one (tokenizer.chat_template = ...) "
+            "and save it with the target, since the drafter must see the target's serving format"
+        )
+    if not has_generation_markers(tokenizer) and not getattr(tokenizer, "is_fast", False):
+        raise ValueError(
+            "a chat template without {% generation %} markers needs a fast tokenizer (character "
+            "offsets) to compute the loss mask; use the tokenizer.json of the target"
+        )
+
+
+def tokenize_chat(
+    tokenizer, messages: list[dict[str, Any]], thinking: bool | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(ids int32 [L], loss_mask bool [L]) of one conversation; raises ``BadRowError``."""
+    kwargs = template_kwargs(thinking)
+    if has_generation_markers(tokenizer):
+        ids, mask = tokenize_with_markers(tokenizer, messages, kwargs)
+    else:
+        ids, mask = tokenize_with_prefixes(tokenizer, messages, kwargs)
+    return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool)
+
+
+def render(tokenizer, messages: list[dict[str, Any]], kwargs: dict, generation_prompt: bool = False) -> str:
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt, **kwargs
+        )
+    except Exception as err:  # jinja raises many types (incl. raise_exception in templates)
+        raise BadRowError("template_error", f"chat template failed: {type(err).__name__}: {err}") from err
+
+
+def tokenize_with_markers(tokenizer, messages, kwargs) -> tuple[list[int], list[int]]:
+    try:
+        out = tokenizer.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **kwargs
+        )
+    except Exception as err:  # same as render(): the template is user code
+        raise BadRowError("template_error", f"chat template failed: {type(err).__name__}: {err}") from err
+    return out["input_ids"], out["assistant_masks"]
+
+
+def tokenize_with_prefixes(tokenizer, messages, kwargs) -> tuple[list[int], list[bool]]:
+    text, spans = assistant_char_spans(tokenizer, messages, kwargs)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    starts = np.asarray([start for start, _ in enc["offset_mapping"]], dtype=np.int64)
+    mask = np.zeros(len(starts), dtype=bool)
+    for lo, hi in spans:
+        mask |= (starts >= lo) & (starts < hi)
+    return enc["input_ids"], mask.tolist()
+
+
+def assistant_char_spans(tokenizer, messages, kwargs) -> tuple[str, list[tuple[int, int]]]:
+    """The full rendering and the [start, end) character span of every assistant response."""
+    full = render(tokenizer, messages, kwargs)
+    closing = turn_closing_text(tokenizer, kwargs)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            start = response_start(tokenizer, messages, i, full, kwargs)
+            spans.append((start, response_end(tokenizer, messages, i, full, start, closing, kwargs)))
+    return full, spans
+
+
+def response_start(tokenizer, messages, i: int, full: str, kwargs) -> int:
+    if i == 0:
+        return 0
+    history = render(tokenizer, messages[:i], kwargs)
+    prompt = render(tokenizer, messages[:i], kwargs, generation_prompt=True)
+    start = common_prefix_length(prompt, full)
+    if start < len(history):
+        raise TemplateError(
+            f"the chat template is not prefix-stable: rendering messages[:{i}] is not a prefix of the "
+            f"whole conversation (they differ at character {start}: {full[start : start + 40]!r}), so "
+            "the loss mask cannot be derived. Use a template with {% generation %} markers."
+        )
+    return start
+
+
+def response_end(tokenizer, messages, i: int, full: str, start: int, closing: str, kwargs) -> int:
+    turn = render(tokenizer, messages[: i + 1], kwargs).rstrip()
+    if full.startswith(turn) and len(turn) > start:
+        return len(turn)
+    end = full.find(closing, start) if closing else -1
+    if end < 0:
+        raise TemplateError(
+            f"cannot find the end of assistant turn {i} in the rendered conversation (turn-closing "
+            f"text {closing!r}). Use a template with {{% generation %}} markers."
+        )
+    return end + len(closing)
+
+
+def turn_closing_text(tokenizer, kwargs) -> str:
+    """What the template writes after an assistant message's content (e.g. ``<|im_end|>``)."""
+    probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": SENTINEL}]
+    text = render(tokenizer, probe, kwargs)
+    return text.split(SENTINEL, 1)[1].rstrip() if SENTINEL in text else ""
+
+
+def common_prefix_length(a: str, b: str) -> int:
+    if b.startswith(a):
+        return len(a)
+    lo, hi = 0, min(len(a), len(b))  # binary search keeps the comparisons in C on long texts
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

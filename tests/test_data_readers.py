@@ -1,0 +1,199 @@
+"""Readers (JSONL, directories, datasets files; messages and ShareGPT) and every bad-input path."""
+
+import json
+
+import pytest
+
+from dflash_train.config import DataConfig
+from dflash_train.data import build_train_data
+from dflash_train.data.readers import expand_paths, iter_chat_rows
+from dflash_train.data.skips import SkipCounts
+from dflash_train.tiny import CHAT_TEMPLATE, build_tokenizer
+
+GOOD = {
+    "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "def add(a, b):\n    return a + b"},
+    ]
+}
+SHAREGPT = {
+    "conversations": [
+        {"from": "system", "value": "be brief"},
+        {"from": "human", "value": "hi"},
+        {"from": "gpt", "value": "def add(a, b):\n    return a + b"},
+    ]
+}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer()
+
+
+def write_lines(path, lines):
+    """Write raw lines (dicts become JSON, bytes are written as they are)."""
+    with open(path, "wb") as fh:
+        for line in lines:
+            data = line if isinstance(line, bytes) else json.dumps(line).encode()
+            fh.write(data + b"\n")
+    return path
+
+
+def read(paths, fmt="auto", max_bad_rows=0):
+    skips = SkipCounts(max_bad_rows=max_bad_rows)
+    rows = list(iter_chat_rows(expand_paths([str(p) for p in paths]), skips, fmt))
+    return rows, skips
+
+
+def build(tokenizer, path, tmp_path, max_bad_rows=0, **overrides):
+    settings = dict(seq_buckets=[64, 128], token_budget=256, cache_dir=str(tmp_path / "cache"), num_workers=1)
+    cfg = DataConfig(paths=[str(path)], max_bad_rows=max_bad_rows, **(settings | overrides))
+    return build_train_data(cfg, tokenizer, seed=0, rank=0, world_size=1)
+
+
+# ----------------------------------------------------------------------------- formats
+
+
+def test_messages_and_sharegpt_rows_read_the_same(tmp_path):
+    path = write_lines(tmp_path / "mixed.jsonl", [GOOD, SHAREGPT])
+    rows, skips = read([path])
+    assert [r.messages for r in rows] == [GOOD["messages"], GOOD["messages"]]
+    assert [r.where for r in rows] == [f"{path}:1", f"{path}:2"]
+    assert skips.to_dict() == {}
+
+
+def test_forced_format_rejects_the_other_form(tmp_path):
+    path = write_lines(tmp_path / "mixed.jsonl", [GOOD, SHAREGPT])
+    with pytest.raises(ValueError, match=r"mixed.jsonl:2: bad row \(not_a_chat_row\)"):
+        read([path], fmt="messages")
+
+
+def test_directory_and_parquet_sources(tmp_path):
+    import datasets
+
+    folder = tmp_path / "data"
+    (folder / "sub").mkdir(parents=True)
+    write_lines(folder / "a.jsonl", [GOOD])
+    write_lines(folder / "sub" / "b.jsonl", [SHAREGPT, GOOD])
+    datasets.Dataset.from_list([GOOD, GOOD]).to_parquet(str(folder / "c.parquet"))
+    rows, _ = read([folder])
+    assert len(rows) == 5 and all(r.messages == GOOD["messages"] for r in rows)
+    assert [r.where for r in rows][1:3] == [f"{folder / 'c.parquet'} row 0", f"{folder / 'c.parquet'} row 1"]
+
+
+def test_json_array_file_streams_through_datasets(tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([GOOD, GOOD, GOOD]))
+    skips = SkipCounts()
+    rows = iter_chat_rows([str(path)], skips, streaming=True)
+    first = next(rows)  # a generator: nothing is loaded before the first row is asked for
+    assert first.messages == GOOD["messages"] and first.where == f"{path} row 0"
+    assert len(list(rows)) == 2
+
+
+def test_content_parts_and_null_content_become_text(tmp_path):
+    row = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]},
+            {"role": "assistant", "content": None, "tool_calls": None},
+            {"role": "assistant", "content": "ok"},
+        ]
+    }
+    rows, _ = read([write_lines(tmp_path / "parts.jsonl", [row])])
+    assert rows[0].messages == [
+        {"role": "user", "content": "hi there"},
+        {"role": "assistant", "content": ""},
+        {"role": "assistant", "content": "ok"},
+    ]
+
+
+# ----------------------------------------------------------------------------- bad input
+
+BAD_LINES = [
+    (b'{"messages": [', "malformed_json"),
+    (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', "invalid_utf8"),
+    ({"messages": []}, "empty_messages"),
+    (
+        {"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]},
+        "unknown_role",
+    ),
+    ({"messages": [{"content": "no role"}, {"role": "assistant", "content": "x"}]}, "unknown_role"),
+    ({"conversations": [{"from": "bot", "value": "x"}]}, "unknown_role"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "no_assistant_turn"),
+    ({"text": "plain text"}, "not_a_chat_row"),
+    ([1, 2, 3], "not_a_chat_row"),
+]
+
+
+@pytest.mark.parametrize("line,reason", BAD_LINES, ids=[r for _, r in BAD_LINES])
+def test_bad_line_raises_naming_file_and_line(tmp_path, line, reason):
+    path = write_lines(tmp_path / "bad.jsonl", [GOOD, line, GOOD])
+    with pytest.raises(ValueError, match=rf"bad\.jsonl:2: bad row \({reason}\).*max_bad_rows"):
+        read([path])
+
+
+@pytest.mark.parametrize("line,reason", BAD_LINES, ids=[r for _, r in BAD_LINES])
+def test_bad_line_is_a_counted_skip_within_the_limit(tmp_path, line, reason):
+    path = write_lines(tmp_path / "bad.jsonl", [GOOD, line, GOOD])
+    rows, skips = read([path], max_bad_rows=1)
+    assert [r.line for r in rows] == [1, 3]
+    assert skips.to_dict() == {reason: 1}
+
+
+def test_exceeding_the_limit_raises_with_counts(tmp_path):
+    path = write_lines(tmp_path / "bad.jsonl", [GOOD, b"{", {"messages": []}, b"nope", GOOD])
+    with pytest.raises(ValueError, match=r"bad\.jsonl:4.*3 > data.max_bad_rows=2.*'malformed_json': 2"):
+        read([path], max_bad_rows=2)
+
+
+def test_response_too_short_and_all_masked(tmp_path, tokenizer):
+    # Generation markers around the content only, so an empty reply has no response tokens at all.
+    content_only = CHAT_TEMPLATE.replace(
+        "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}",
+        "{% generation %}{{ message['content'] }}{% endgeneration %}{{ '<|im_end|>' }}",
+    )
+    tok = build_tokenizer()
+    tok.chat_template = content_only
+    rows = [
+        GOOD,
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]},
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}]},
+    ]
+    path = write_lines(tmp_path / "short.jsonl", rows)
+    with pytest.raises(ValueError, match=r"short\.jsonl:2: bad row \(no_response_tokens\)"):
+        build(tok, path, tmp_path)
+    data = build(tok, path, tmp_path, max_bad_rows=2)
+    assert data.stats.skips == {"no_response_tokens": 1, "no_valid_anchor": 1}
+    assert data.stats.num_rows == 1 and data.stats.num_skipped == 2
+
+
+def test_template_error_is_a_bad_row(tmp_path):
+    tok = build_tokenizer()
+    tok.chat_template = (
+        "{% if messages[0].role != 'user' %}{{ raise_exception('user first') }}{% endif %}" + CHAT_TEMPLATE
+    )
+    path = write_lines(tmp_path / "t.jsonl", [GOOD, {"messages": GOOD["messages"][1:]}])
+    with pytest.raises(ValueError, match=r"t\.jsonl:1: bad row \(template_error\).*user first"):
+        build(tok, path, tmp_path)
+    assert build(tok, path, tmp_path, max_bad_rows=1).stats.skips == {"template_error": 1}
+
+
+def test_skip_counts_reach_the_stats_and_the_cache_enforces_a_lower_limit(tmp_path, tokenizer):
+    path = write_lines(tmp_path / "bad.jsonl", [GOOD, b"{", b"\xff\xfe", GOOD])
+    data = build(tokenizer, path, tmp_path, max_bad_rows=5, num_workers=2)
+    assert data.stats.skips == {"malformed_json": 1, "invalid_utf8": 1}
+    assert data.stats.num_rows == 2
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2 \(first malformed_json row\)"):
+        build(tokenizer, path, tmp_path, max_bad_rows=1)  # same cache, stricter limit
+
+
+def test_all_rows_bad_raises(tmp_path, tokenizer):
+    path = write_lines(tmp_path / "bad.jsonl", [{"messages": []}])
+    with pytest.raises(ValueError, match="no usable rows"):
+        build(tokenizer, path, tmp_path, max_bad_rows=5)
+
+
+def test_empty_paths_raise_with_a_remedy():
+    with pytest.raises(ValueError, match="data.paths is empty"):
+        expand_paths([])

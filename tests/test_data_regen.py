@@ -1,0 +1,127 @@
+"""Target regeneration end to end on a tiny saved target, resume, and data-stats."""
+
+import json
+from argparse import Namespace
+
+import pytest
+import yaml
+
+from dflash_train.cli import main
+from dflash_train.data.regen import run_regen
+from dflash_train.data.stats import run_data_stats
+
+ROWS = [
+    {
+        "id": "a",
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "old reply one"},
+            {"role": "user", "content": "more"},
+            {"role": "assistant", "content": "old reply two"},
+        ],
+    },
+    {"conversations": [{"from": "human", "value": "add"}, {"from": "gpt", "value": "old"}]},
+    {"messages": [{"role": "user", "content": "prompt only"}]},
+    {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "old"}]},
+]
+
+
+def regen_args(target, data, output, **overrides):
+    args = dict(
+        target=str(target),
+        data=[str(data)],
+        output=str(output),
+        max_new_tokens=4,
+        temperature=0.0,
+        batch_size=2,
+        thinking="default",
+        max_rows=0,
+        max_bad_rows=0,
+        engine="transformers",
+        device="cpu",
+        seed=0,
+    )
+    return Namespace(**(args | overrides))
+
+
+@pytest.fixture
+def chat_file(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return path
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_regen_replaces_assistant_turns_and_resumes(tiny_hybrid_dir, chat_file, tmp_path):
+    output = tmp_path / "out" / "regen.jsonl"
+    first = run_regen(regen_args(tiny_hybrid_dir, chat_file, output, max_rows=3))
+    assert first["engine"] == "transformers" and first["rows_done"] == 3 and first["rows_skipped"] == 0
+    rows = read_jsonl(output)
+    assert [r["regen"]["line"] for r in rows] == [1, 2, 3]
+    roles = [[m["role"] for m in r["messages"]] for r in rows]
+    assert roles == [
+        ["system", "user", "assistant", "user", "assistant"],
+        ["user", "assistant"],
+        ["user", "assistant"],  # a prompt-only row gets one reply
+    ]
+    assert rows[0]["id"] == "a" and rows[0]["messages"][3] == ROWS[0]["messages"][3]
+    assert all(m["content"] != "old reply one" for m in rows[0]["messages"])
+    assert len(rows[0]["regen"]["finished"]) == 2
+
+    # A crash left a torn line; the rerun cuts it, skips the 3 done rows and adds only row 4.
+    with open(output, "a") as fh:
+        fh.write('{"messages": [')
+    second = run_regen(regen_args(tiny_hybrid_dir, chat_file, output))
+    assert second["rows_done"] == 1 and second["rows_skipped"] == 3
+    rows_after = read_jsonl(output)
+    assert rows_after[:3] == rows and [r["regen"]["line"] for r in rows_after] == [1, 2, 3, 4]
+    third = run_regen(regen_args(tiny_hybrid_dir, chat_file, output))
+    assert third["rows_done"] == 0 and third["rows_skipped"] == 4 and third["engine"] == "none"
+
+
+def test_regen_is_deterministic_and_matches_batch_size_one(tiny_hybrid_dir, chat_file, tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    run_regen(regen_args(tiny_hybrid_dir, chat_file, a, batch_size=4))
+    run_regen(regen_args(tiny_hybrid_dir, chat_file, b, batch_size=1))  # left padding is neutral
+    assert [r["messages"] for r in read_jsonl(a)] == [r["messages"] for r in read_jsonl(b)]
+
+
+def test_regen_output_trains(tiny_hybrid_dir, chat_file, tmp_path):
+    output = tmp_path / "regen.jsonl"
+    run_regen(regen_args(tiny_hybrid_dir, chat_file, output, batch_size=4))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        yaml.safe_dump({"output_dir": str(tmp_path / "run"), "target": {"path": str(tiny_hybrid_dir)}})
+    )
+    overrides = [
+        f"data.paths=[{output}]",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.seq_buckets=[64,128]",
+        "data.token_budget=256",
+        "data.max_bad_rows=4",
+    ]
+    result = run_data_stats(str(recipe), overrides)
+    assert result["rows"] + sum(result["skips"].values()) == 4
+    assert result["rows"] >= 1 and 0 <= result["padding_waste"] < 1
+
+
+def test_data_stats_cli_json(tiny_hybrid_dir, chat_file, tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        yaml.safe_dump({"output_dir": str(tmp_path / "run"), "target": {"path": str(tiny_hybrid_dir)}})
+    )
+    overrides = [f"data.paths=[{chat_file}]", f"data.cache_dir={tmp_path / 'cache'}", "data.max_bad_rows=1"]
+    assert main(["data-stats", str(recipe), *overrides, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["rows"] == 3 and result["skips"] == {"no_assistant_turn": 1}
+    assert result["rows_per_bucket"] == {"1024": 3, "2048": 0, "4096": 0}
+    assert set(result) >= {"tokens", "response_tokens", "padding_waste", "steps_per_epoch"}
+
+
+def test_data_stats_refuses_a_builtin_target(tmp_path):
+    with pytest.raises(ValueError, match="without a saved tokenizer"):
+        run_data_stats("tiny-cpu", ["data.paths=[x.jsonl]"])
