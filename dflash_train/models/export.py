@@ -1,0 +1,151 @@
+"""Save and load the serving layout (DESIGN.md section 3): ``config.json`` + ``model.safetensors``.
+
+This is the directory SGLang (``--speculative-algorithm DFLASH``) and vLLM (``method: dflash``) load:
+drafter tensors only (no embedding, no LM head; the target's are used), named as the serving
+implementations expect, which are exactly ``DFlashDrafter``'s parameter names.
+
+Training checkpoints (written by the trainer) are directories ``step-*`` holding
+``drafter_config.json`` (the same serving dict) and ``drafter.safetensors`` (fp32 state dict), plus a
+``COMMITTED`` marker once complete; ``export_checkpoint`` turns one into the serving layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dflash_train.models.drafter import DFlashDrafter
+from dflash_train.models.drafter_config import DFlashDraftConfig
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+CHECKPOINT_CONFIG_NAME = "drafter_config.json"
+CHECKPOINT_WEIGHTS_NAME = "drafter.safetensors"
+COMMIT_MARKER = "COMMITTED"
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of {sorted(DTYPES)}.")
+    return DTYPES[name]
+
+
+def _write_atomically(path: Path, write) -> None:
+    """Write through ``write(tmp_path)`` then rename, so a crash never leaves a half-written file."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    with open(tmp, "rb") as handle:
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def save_drafter(
+    drafter: DFlashDrafter, config: DFlashDraftConfig, out_dir: str | Path, dtype: str = "bfloat16"
+) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` (drafter tensors in ``dtype``) to out_dir."""
+    torch_dtype = _torch_dtype(dtype)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        name: tensor.detach().to(device="cpu", dtype=torch_dtype).contiguous()
+        for name, tensor in drafter.state_dict().items()
+    }
+    serving = config.to_serving_dict()
+    serving["torch_dtype"] = serving["dtype"] = dtype
+    _write_atomically(out / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
+    _write_atomically(out / CONFIG_NAME, lambda p: p.write_text(json.dumps(serving, indent=2) + "\n"))
+    return out
+
+
+def _read_tensors(path: Path, device: str) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), framework="pt", device=device) as handle:
+        return {name: handle.get_tensor(name) for name in handle.keys()}
+
+
+def build_drafter_from_tensors(
+    config: DFlashDraftConfig, tensors: dict[str, torch.Tensor], source: Path, dtype: torch.dtype | None
+) -> DFlashDrafter:
+    """A drafter whose parameters are ``tensors`` (checked by name and shape), built without random init."""
+    with torch.device("meta"):
+        drafter = DFlashDrafter(config)
+    expected = drafter.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"{source} does not match its config ({config.num_hidden_layers} layers, "
+            f"{config.num_target_features} target features): missing tensors {missing[:8]}, "
+            f"unexpected tensors {unexpected[:8]}. Is it a DFlash drafter export of this shape?"
+        )
+    for name, tensor in tensors.items():
+        if tensor.shape != expected[name].shape:
+            raise ValueError(
+                f"{source}: tensor {name} has shape {tuple(tensor.shape)}, the config needs "
+                f"{tuple(expected[name].shape)}."
+            )
+    if dtype is not None:
+        tensors = {name: tensor.to(dtype) for name, tensor in tensors.items()}
+    drafter.load_state_dict(tensors, strict=True, assign=True)
+    return drafter
+
+
+def load_drafter(
+    path: str | Path, device: str = "cpu", dtype: torch.dtype | str | None = None
+) -> tuple[DFlashDrafter, DFlashDraftConfig]:
+    """Load a serving-layout directory; ``dtype=None`` keeps the saved dtype."""
+    root = Path(path)
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        if not (root / name).is_file():
+            raise ValueError(f"{root} has no {name}: not an exported DFlash drafter directory.")
+    config = DFlashDraftConfig.from_serving_dict(json.loads((root / CONFIG_NAME).read_text()))
+    if isinstance(dtype, str):
+        dtype = _torch_dtype(dtype)
+    tensors = _read_tensors(root / WEIGHTS_NAME, str(device))
+    return build_drafter_from_tensors(config, tensors, root / WEIGHTS_NAME, dtype), config
+
+
+def _step_number(path: Path) -> int:
+    match = re.fullmatch(r"step-(\d+)", path.name)
+    return int(match.group(1)) if match else -1
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A committed checkpoint dir itself, or the newest committed ``checkpoints/step-*`` of a run dir."""
+    root = Path(path)
+    if (root / CHECKPOINT_WEIGHTS_NAME).is_file():
+        if not (root / COMMIT_MARKER).is_file():
+            raise ValueError(f"{root} has no {COMMIT_MARKER} marker: the checkpoint is incomplete.")
+        return root
+    candidates = [
+        step
+        for step in (root / "checkpoints").glob("step-*")
+        if (step / COMMIT_MARKER).is_file() and _step_number(step) >= 0
+    ]
+    if not candidates:
+        raise ValueError(
+            f"{root} is neither a committed checkpoint (step-* with {CHECKPOINT_WEIGHTS_NAME} and "
+            f"{COMMIT_MARKER}) nor a run directory with committed checkpoints/step-*."
+        )
+    return max(candidates, key=_step_number)
+
+
+def export_checkpoint(checkpoint: str | Path, output: str | Path, dtype: str = "bfloat16") -> dict[str, Any]:
+    """``dflash-train export``: a training checkpoint (or run dir) -> serving layout in ``output``."""
+    _torch_dtype(dtype)
+    source = resolve_checkpoint(checkpoint)
+    if not (source / CHECKPOINT_CONFIG_NAME).is_file():
+        raise ValueError(f"{source} has no {CHECKPOINT_CONFIG_NAME}: cannot tell the drafter's shape.")
+    config = DFlashDraftConfig.from_serving_dict(json.loads((source / CHECKPOINT_CONFIG_NAME).read_text()))
+    tensors = _read_tensors(source / CHECKPOINT_WEIGHTS_NAME, "cpu")
+    drafter = build_drafter_from_tensors(config, tensors, source / CHECKPOINT_WEIGHTS_NAME, None)
+    out = save_drafter(drafter, config, output, dtype=dtype)
+    return {"export": str(out), "checkpoint": str(source), "tensors": len(tensors), "dtype": dtype}

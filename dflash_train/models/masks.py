@@ -1,0 +1,314 @@
+"""Training and inference attention for DFlash blocks: flex BlockMask and chunked SDPA, same semantics.
+
+One visibility rule (DESIGN.md section 1), written once in ``_visible`` and used by every backend.
+A block token at block position k of anchor a sees
+- context features at positions p < a (the anchor's own feature does not exist yet at inference);
+  in a sliding layer only p >= a + k - (window - 1);
+- tokens of its own block: all B in a full layer, j <= k in a causal sliding layer;
+- nothing of any other block.
+A block token always sees itself, so no softmax row is ever fully masked (padded anchors stay finite).
+
+Every backend is a callable ``attend(q, k_ctx, v_ctx, k_blk, v_blk) -> out`` with
+q [R, Hq, A*B, D], k_ctx/v_ctx [R, Hkv, P, D] (context positions 0..P-1, already normed and roped),
+k_blk/v_blk [R, Hkv, A*B, D], out [R, Hq, A*B, D]. Query/block index i is anchor i // B, block
+position i % B. Flex attention's KV index space is [P context ; A*B block tokens].
+
+Shapes: R rows, L sequence, A anchors, B block size, P cached context length, Hq/Hkv query/kv heads,
+D head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+
+@functools.cache
+def compiled_flex_attention() -> Callable:
+    """flex_attention compiled once per process (dynamic=False), used only for CUDA tensors.
+
+    Eager flex materialises the full score matrix: fine for CPU tests, far too slow for training.
+    Created on first use so importing this module does not pull in the compiler.
+    """
+    return torch.compile(flex_attention, dynamic=False)
+
+
+AttendFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class LayerMaskSpec:
+    """What a layer's visibility depends on: its context window and whether its block is causal."""
+
+    window: int | None  # sliding window for the context (None = full attention)
+    causal: bool  # block token k sees block tokens j <= k only
+
+    @classmethod
+    def for_layer(cls, layer_type: str, sliding_window: int | None, is_causal: bool) -> LayerMaskSpec:
+        """The spec of a ``full_attention`` or ``sliding_attention`` layer."""
+        if layer_type == "sliding_attention":
+            return cls(window=sliding_window, causal=is_causal)
+        return cls(window=None, causal=False)
+
+
+def _visible(
+    spec: LayerMaskSpec,
+    anchor: Tensor,
+    q_slot: Tensor,
+    q_k: Tensor,
+    is_context: Tensor,
+    ctx_pos: Tensor,
+    kv_slot: Tensor,
+    kv_k: Tensor,
+) -> Tensor:
+    """The DESIGN.md visibility rule on broadcastable index tensors (the one place it is written).
+
+    anchor: the query's anchor position a; q_slot/q_k: the query's anchor index and block position;
+    is_context: whether the key is a context feature (at ctx_pos) or a block token (of anchor index
+    kv_slot, block position kv_k).
+    """
+    ctx_ok = is_context & (ctx_pos < anchor)
+    if spec.window is not None:
+        ctx_ok = ctx_ok & (ctx_pos >= anchor + q_k - (spec.window - 1))
+    block_ok = ~is_context & (kv_slot == q_slot)
+    if spec.causal:
+        block_ok = block_ok & (kv_k <= q_k)
+    return ctx_ok | block_ok
+
+
+def _repeat_kv(x: Tensor, num_groups: int) -> Tensor:
+    """[R, Hkv, T, D] -> [R, Hkv*num_groups, T, D] (GQA as plain heads, so every SDPA kernel applies)."""
+    if num_groups == 1:
+        return x
+    r, h, t, d = x.shape
+    return x[:, :, None].expand(r, h, num_groups, t, d).reshape(r, h * num_groups, t, d)
+
+
+def masked_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """SDPA with a boolean keep-mask [R|1, 1, Tq, Tk] and GQA by repeating kv heads."""
+    groups = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, _repeat_kv(k, groups), _repeat_kv(v, groups), attn_mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# flex attention
+
+
+def build_flex_block_mask(
+    anchors: Tensor, context_len: int, block_size: int, spec: LayerMaskSpec, *, compile_mask: bool = False
+) -> BlockMask:
+    """BlockMask over [A*B block queries] x [context_len context ; A*B block tokens] for anchors [R, A].
+
+    Built once per micro-batch and layer type, shared by all layers of that type. B=R, H=None
+    (broadcast over heads). DESIGN.md section 4 measured a compiled ``create_block_mask`` at 0.33 ms
+    per build but 234 s for its first compilation, while the uncompiled builder with H=None only
+    materialises Q x KV booleans (~100 MB at 512 anchors x 16 over 4,096 tokens); so uncompiled is
+    the default and ``compile_mask=True`` opts into the compiled builder.
+    """
+    num_rows, num_anchors = anchors.shape
+    num_queries = num_anchors * block_size
+
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        q_slot = q_idx // block_size
+        block_idx = kv_idx - context_len  # negative for context keys; masked by is_context
+        return _visible(
+            spec,
+            anchor=anchors[b, q_slot],
+            q_slot=q_slot,
+            q_k=q_idx % block_size,
+            is_context=kv_idx < context_len,
+            ctx_pos=kv_idx,
+            kv_slot=block_idx // block_size,
+            kv_k=block_idx % block_size,
+        )
+
+    return create_block_mask(
+        mask_mod,
+        B=num_rows,
+        H=None,
+        Q_LEN=num_queries,
+        KV_LEN=context_len + num_queries,
+        device=anchors.device,
+        _compile=compile_mask,
+    )
+
+
+class FlexBlockAttention:
+    """Training attention through flex_attention with a prebuilt BlockMask (compiled on CUDA)."""
+
+    def __init__(self, block_mask: BlockMask) -> None:
+        self.block_mask = block_mask
+
+    def __call__(self, q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor) -> Tensor:
+        k = torch.cat([k_ctx, k_blk], dim=2)  # [R, Hkv, P + A*B, D]
+        v = torch.cat([v_ctx, v_blk], dim=2)
+        attention = compiled_flex_attention() if q.is_cuda else flex_attention
+        return attention(q, k, v, block_mask=self.block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# chunked SDPA
+
+
+def sdpa_context_bounds(
+    anchors: Tensor, context_len: int, chunk: int, window: int | None, *, quantum: int = 128
+) -> list[tuple[int, int]]:
+    """Per anchor chunk, the context range [lo, hi) any of its queries can see, over all rows.
+
+    hi = max anchor of the chunk (keys at p >= a are never visible); for a sliding layer also
+    lo = min anchor - (window - 1). Rounded outwards to ``quantum``: a compiled layer then sees few
+    distinct shapes, and the key length stays a multiple of 128 (chunk*B is one too), which keeps
+    CUDA's memory-efficient SDPA kernel eligible for the masked call. One host sync for the whole
+    forward (shared by all layers); under torch.compile tracing the full range is used instead,
+    keeping shapes static and the graph sync-free.
+    """
+    num_anchors = anchors.shape[1]
+    starts = range(0, num_anchors, chunk)
+    if torch.compiler.is_compiling():
+        return [(0, context_len)] * len(starts)
+    chunks = [anchors[:, s : s + chunk] for s in starts]
+    # One transfer for all chunks: the only host sync of the SDPA path.
+    stats = torch.stack([torch.stack([c.min(), c.max()]) for c in chunks]).tolist()
+    bounds = []
+    for lo_anchor, hi_anchor in stats:
+        hi = min(context_len, -(-hi_anchor // quantum) * quantum)
+        lo = 0 if window is None else max(0, (lo_anchor - (window - 1)) // quantum * quantum)
+        bounds.append((min(lo, hi), hi))
+    return bounds
+
+
+class ChunkedSdpaAttention:
+    """Training attention as SDPA over chunks of anchors with an explicit boolean mask.
+
+    Each chunk's queries (its blocks' tokens) attend to the context plus the chunk's own block
+    tokens, so the dense score matrix is chunk x (context + chunk), never A*B x (L + A*B). Works
+    under activation checkpointing and torch.compile (pure tensor ops).
+
+    ``trim_context=True`` cuts each chunk's context to [lo, hi) of ``sdpa_context_bounds`` (keys
+    past the chunk's last anchor or before its window are masked anyway): ~1/3 fewer attention
+    FLOPs, at the price of one host sync per forward and key lengths that change with every
+    micro-batch, which would recompile a compiled layer (dynamic=False) on every new batch. So the
+    default keeps the full context: fixed shapes, no sync, as DESIGN.md asks of the train step.
+    """
+
+    def __init__(
+        self,
+        anchors: Tensor,
+        context_len: int,
+        block_size: int,
+        spec: LayerMaskSpec,
+        chunk: int,
+        *,
+        trim_context: bool = False,
+        context_quantum: int = 128,
+    ) -> None:
+        if chunk < 1:
+            raise ValueError(f"sdpa_anchor_chunk={chunk} must be >= 1.")
+        self.anchors = anchors
+        self.block_size = block_size
+        self.spec = spec
+        self.chunk = chunk
+        if trim_context:
+            self.bounds = sdpa_context_bounds(
+                anchors, context_len, chunk, spec.window, quantum=context_quantum
+            )
+        else:
+            self.bounds = [(0, context_len)] * len(range(0, anchors.shape[1], chunk))
+        # Built once per forward and reused by every layer of this type (and by recomputation).
+        self.masks = [self.chunk_mask(i * chunk, lo, hi) for i, (lo, hi) in enumerate(self.bounds)]
+
+    def chunk_mask(self, start: int, lo: int, hi: int) -> Tensor:
+        """Keep-mask [R, 1, n*B, (hi - lo) + n*B] for anchors start..start+n-1, context [lo, hi)."""
+        anchors = self.anchors[:, start : start + self.chunk]  # [R, n]
+        device, size = anchors.device, self.block_size
+        q_idx = torch.arange(anchors.shape[1] * size, device=device)
+        q_slot, q_k = q_idx // size, q_idx % size
+        ctx_pos = torch.arange(lo, hi, device=device)
+        kv_slot = torch.cat([torch.full_like(ctx_pos, -1), q_slot])
+        kv_k = torch.cat([torch.zeros_like(ctx_pos), q_k])
+        pos = torch.cat([ctx_pos, torch.zeros_like(q_idx)])
+        is_context = torch.arange(pos.numel(), device=device) < ctx_pos.numel()
+        mask = _visible(
+            self.spec,
+            anchor=anchors.repeat_interleave(size, dim=1)[..., None],  # [R, n*B, 1]
+            q_slot=q_slot[:, None],
+            q_k=q_k[:, None],
+            is_context=is_context,
+            ctx_pos=pos,
+            kv_slot=kv_slot,
+            kv_k=kv_k,
+        )
+        return mask[:, None]
+
+    def __call__(self, q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor) -> Tensor:
+        outputs = []
+        span = self.chunk * self.block_size
+        for index, (lo, hi) in enumerate(self.bounds):
+            start = index * self.chunk
+            tokens = slice(start * self.block_size, start * self.block_size + span)
+            k = torch.cat([k_ctx[:, :, lo:hi], k_blk[:, :, tokens]], dim=2)
+            v = torch.cat([v_ctx[:, :, lo:hi], v_blk[:, :, tokens]], dim=2)
+            outputs.append(masked_sdpa(q[:, :, tokens], k, v, self.masks[index]))
+        return torch.cat(outputs, dim=2)
+
+
+def build_train_attention(
+    backend: str,
+    anchors: Tensor,
+    context_len: int,
+    block_size: int,
+    specs: dict[str, LayerMaskSpec],
+    *,
+    sdpa_anchor_chunk: int = 64,
+    sdpa_trim_context: bool = False,
+    compile_block_mask: bool = False,
+) -> dict[str, AttendFn]:
+    """One attention callable per layer type, built once per forward and shared by its layers."""
+    if backend == "flex":
+        return {
+            name: FlexBlockAttention(
+                build_flex_block_mask(anchors, context_len, block_size, spec, compile_mask=compile_block_mask)
+            )
+            for name, spec in specs.items()
+        }
+    if backend == "sdpa":
+        return {
+            name: ChunkedSdpaAttention(
+                anchors, context_len, block_size, spec, sdpa_anchor_chunk, trim_context=sdpa_trim_context
+            )
+            for name, spec in specs.items()
+        }
+    raise ValueError(f"attention backend {backend!r} is not one of 'sdpa', 'flex'.")
+
+
+# ---------------------------------------------------------------------------------------------
+# inference
+
+
+class CachedBlockAttention:
+    """Inference attention: one block at positions start..start+B-1 over a context cache of length start."""
+
+    def __init__(self, start: int, block_size: int, spec: LayerMaskSpec, device: torch.device) -> None:
+        k = torch.arange(block_size, device=device)
+        ctx_pos = torch.arange(start, device=device)
+        self.mask = _visible(
+            spec,
+            anchor=torch.tensor(start, device=device),
+            q_slot=torch.zeros(1, device=device, dtype=torch.long),
+            q_k=k[:, None],
+            is_context=torch.arange(start + block_size, device=device) < start,
+            ctx_pos=torch.cat([ctx_pos, torch.zeros_like(k)]),
+            kv_slot=torch.cat([torch.full_like(ctx_pos, -1), torch.zeros_like(k)]),
+            kv_k=torch.cat([torch.zeros_like(ctx_pos), k]),
+        )[None, None]  # [1, 1, B, start + B]
+
+    def __call__(self, q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor) -> Tensor:
+        k = torch.cat([k_ctx, k_blk], dim=2)
+        v = torch.cat([v_ctx, v_blk], dim=2)
+        return masked_sdpa(q, k, v, self.mask)
