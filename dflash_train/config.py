@@ -327,6 +327,8 @@ def coerce(tp: Any, value: Any, key: str, source: str) -> Any:
         raise ValueError(errors[-1] if errors else f"{source}: '{key}' has an invalid value {value!r}")
     if origin is Literal:
         allowed = typing.get_args(tp)
+        if isinstance(value, bool) and {"on", "off"} <= set(allowed):
+            value = "on" if value else "off"  # YAML 1.1 reads bare on/off as booleans
         if value not in allowed:
             raise ValueError(f"{source}: '{key}' = {value!r} is not allowed; use one of {list(allowed)}")
         return value

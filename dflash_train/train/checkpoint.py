@@ -50,7 +50,11 @@ def committed_checkpoints(output_dir: str | Path) -> list[Path]:
     root = checkpoints_root(output_dir)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and (p / COMMIT_MARKER).is_file()]
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := STEP_DIR.match(p.name)) and (p / COMMIT_MARKER).is_file()
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -113,7 +117,9 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """Read a committed checkpoint: drafter state, drafter config, train state and recipe."""
     path = Path(path)
     if not (path / COMMIT_MARKER).is_file():
-        raise ValueError(f"{path} is not a committed checkpoint (no {COMMIT_MARKER} marker): it was interrupted while saving; resume from an older one.")
+        raise ValueError(
+            f"{path} is not a committed checkpoint (no {COMMIT_MARKER} marker): it was interrupted while saving; resume from an older one."
+        )
     return {
         "path": path,
         "drafter_state": load_file(path / "drafter.safetensors"),
@@ -140,6 +146,8 @@ def check_resume_compatible(saved: dict[str, Any], current: dict[str, Any], allo
     if changed:
         keys = ", ".join(c.split(":")[0] for c in changed)
         raise ValueError(
-            "refusing to resume: " + "; ".join(changed) + f". Restore the original values, start a new output_dir, "
+            "refusing to resume: "
+            + "; ".join(changed)
+            + f". Restore the original values, start a new output_dir, "
             f"or allow the change with checkpoint.allow_changed=[{keys}]."
         )

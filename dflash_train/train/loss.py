@@ -26,7 +26,9 @@ def lm_head_logits(hidden: Tensor, weight: Tensor) -> Tensor:
     return hidden @ weight.t()
 
 
-def block_targets(input_ids: Tensor, loss_mask: Tensor, anchors: Tensor, block_size: int) -> tuple[Tensor, Tensor]:
+def block_targets(
+    input_ids: Tensor, loss_mask: Tensor, anchors: Tensor, block_size: int
+) -> tuple[Tensor, Tensor]:
     """Labels ids[a+k] for k = 1..B-1 (same position as the prediction, no shift) and their validity.
 
     A label is valid when a+k is inside the row and is a response token (loss_mask).

@@ -40,7 +40,9 @@ def pick_device(requested: str, local_rank: int = 0) -> torch.device:
         requested = "cuda" if torch.cuda.is_available() else "cpu"
     if requested.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise ValueError(f"train.device={requested} but no CUDA device is visible; use train.device=cpu or auto.")
+            raise ValueError(
+                f"train.device={requested} but no CUDA device is visible; use train.device=cpu or auto."
+            )
         return torch.device("cuda", local_rank) if requested == "cuda" else torch.device(requested)
     return torch.device(requested)
 
@@ -55,7 +57,11 @@ def init_distributed(requested_device: str = "auto", timeout_s: float = 1800.0) 
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device if device.type == "cuda" else None,
+        )
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
@@ -110,12 +116,20 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_optimizer_state_dict(unwrap(model) if not uses_fsdp(model) else model, optimizer, options=options)
+    return get_optimizer_state_dict(
+        unwrap(model) if not uses_fsdp(model) else model, optimizer, options=options
+    )
 
 
-def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict) -> None:
+def load_full_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict
+) -> None:
     """Load full state dicts into a (possibly sharded) drafter and its optimizer."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     target = unwrap(model) if not uses_fsdp(model) else model
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)

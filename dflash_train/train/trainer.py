@@ -82,18 +82,27 @@ def train(cfg: RunConfig, hooks: TrainHooks | None = None) -> dict[str, Any]:
     info = init_distributed(cfg.train.device)
     run = build_run(cfg, info)
     out_dir = Path(cfg.output_dir)
-    logger = MetricsLogger(out_dir, cfg.logging, total_steps=run.total_steps, is_main=info.is_main, config_dict=cfg.to_dict(), start_step=run.step)
+    logger = MetricsLogger(
+        out_dir,
+        cfg.logging,
+        total_steps=run.total_steps,
+        is_main=info.is_main,
+        config_dict=cfg.to_dict(),
+        start_step=run.step,
+    )
     timer = PhaseTimer(info.device)
     metrics_sum, last_loss, saved = None, float("nan"), None
     log_t0, log_step0 = time.perf_counter(), run.step
     with GracefulStop() as stop, Watchdog(cfg.train.watchdog_s, out_dir / "watchdog-stacks.txt") as watchdog:
         while run.step < run.total_steps:
             watchdog.beat(run.step)
-            result = train_step(run, timer, hooks, stop_requested=stop.requested)
+            result = train_step(run, timer, hooks, stop_requested=lambda: stop.requested)
             metrics_sum = add_metrics(metrics_sum, result["stats"])
             stopping = result["stop"]  # agreed by all ranks inside the step
             if run.step % cfg.logging.every_steps == 0 or run.step == run.total_steps or stopping:
-                row = log_metrics(run, result, metrics_sum, timer, time.perf_counter() - log_t0, run.step - log_step0)
+                row = log_metrics(
+                    run, result, metrics_sum, timer, time.perf_counter() - log_t0, run.step - log_step0
+                )
                 last_loss = row["loss"]
                 logger.log(run.step, row)
                 metrics_sum, log_t0, log_step0 = None, time.perf_counter(), run.step
@@ -126,15 +135,30 @@ def build_run(cfg: RunConfig, info: DistInfo) -> Run:
     data = build_data(cfg, target, info)
     total = cfg.train.max_steps or cfg.train.num_epochs * (data.steps_per_epoch // cfg.train.grad_accum)
     if total < 1:
-        raise ValueError(f"the data gives {data.steps_per_epoch} micro-batches per epoch per rank, fewer than train.grad_accum={cfg.train.grad_accum}: add data, lower grad_accum or set train.max_steps.")
+        raise ValueError(
+            f"the data gives {data.steps_per_epoch} micro-batches per epoch per rank, fewer than train.grad_accum={cfg.train.grad_accum}: add data, lower grad_accum or set train.max_steps."
+        )
     scheduler = build_scheduler(optimizer, cfg, total)
     gamma = cfg.train.gamma or default_gamma(cfg.drafter.block_size)
-    run = Run(cfg=cfg, info=info, target=target, draft_config=draft_config, model=model, optimizer=optimizer, scheduler=scheduler, data=data, total_steps=total, gamma=gamma)
+    run = Run(
+        cfg=cfg,
+        info=info,
+        target=target,
+        draft_config=draft_config,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        data=data,
+        total_steps=total,
+        gamma=gamma,
+    )
     if info.is_main:
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         cfg.to_yaml(Path(cfg.output_dir) / "config.yaml")
     maybe_resume(run)
-    log_main(f"training: {total} steps, {sum(p.numel() for p in unwrap(model).parameters()) / 1e6:.1f}M drafter params, world {info.world_size}, device {info.device}, target kernels {getattr(target, 'kernels', {})}")
+    log_main(
+        f"training: {total} steps, {sum(p.numel() for p in unwrap(model).parameters()) / 1e6:.1f}M drafter params, world {info.world_size}, device {info.device}, target kernels {getattr(target, 'kernels', {})}"
+    )
     return run
 
 
@@ -159,8 +183,16 @@ def build_drafter(cfg: RunConfig, target, info: DistInfo):
     if mask is None and cfg.drafter.preset in ("from-target", "tiny"):
         mask = getattr(target.tokenizer, "mask_token_id", None)
         if mask is None:
-            raise ValueError("the target tokenizer has no mask token: set drafter.mask_token_id to an unused embedding row (not pad/eos).")
-    draft_config = resolve_drafter_config(cfg.drafter, target.config, target_layer_ids=target.target_layer_ids, mask_token_id=mask, torch_dtype=cfg.train.dtype)
+            raise ValueError(
+                "the target tokenizer has no mask token: set drafter.mask_token_id to an unused embedding row (not pad/eos)."
+            )
+    draft_config = resolve_drafter_config(
+        cfg.drafter,
+        target.config,
+        target_layer_ids=target.target_layer_ids,
+        mask_token_id=mask,
+        torch_dtype=cfg.train.dtype,
+    )
     validate_target_for_drafter(target, draft_config)
     torch.manual_seed(cfg.train.seed)
     drafter = DFlashDrafter(draft_config).to(info.device, torch.float32)
@@ -182,7 +214,7 @@ def apply_compile_and_checkpointing(drafter: nn.Module, cfg: RunConfig) -> None:
         if cfg.train.activation_checkpointing:
             layer.forward = _checkpointed(layer.forward, checkpoint)
         if cfg.train.compile:
-            drafter.layers[i] = torch.compile(layer, dynamic=False)
+            layer.compile(dynamic=False)  # in place: keeps the serving tensor names
 
 
 def _checkpointed(fn, checkpoint):
@@ -213,7 +245,9 @@ def lr_multiplier(step: int, total: int, warmup_ratio: float, schedule: str, min
 
 def build_scheduler(optimizer, cfg: RunConfig, total: int):
     t = cfg.train
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, total, t.warmup_ratio, t.lr_schedule, t.min_lr_ratio))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_multiplier(s, total, t.warmup_ratio, t.lr_schedule, t.min_lr_ratio)
+    )
 
 
 def build_data(cfg: RunConfig, target, info: DistInfo):
@@ -222,27 +256,55 @@ def build_data(cfg: RunConfig, target, info: DistInfo):
     if not cfg.data.paths:
         raise ValueError("data.paths is empty: pass your chat data, e.g. data.paths=[regenerated.jsonl]")
     if target.tokenizer is None:
-        raise ValueError(f"target {cfg.target.path} has no tokenizer; training needs one to apply the chat template.")
-    return build_train_data(cfg.data, target.tokenizer, seed=cfg.train.seed, rank=info.rank, world_size=info.world_size)
+        raise ValueError(
+            f"target {cfg.target.path} has no tokenizer; training needs one to apply the chat template."
+        )
+    return build_train_data(
+        cfg.data, target.tokenizer, seed=cfg.train.seed, rank=info.rank, world_size=info.world_size
+    )
 
 
 # ----------------------------------------------------------------------------- the step
 
 
-def train_step(run: Run, timer: PhaseTimer, hooks: TrainHooks, stop_requested: bool = False) -> dict[str, Any]:
+def train_step(
+    run: Run, timer: PhaseTimer, hooks: TrainHooks, stop_requested=lambda: False
+) -> dict[str, Any]:
     """One optimizer step over ``grad_accum`` micro-batches: features -> drafter fwd/bwd -> update."""
     cfg, info = run.cfg, run.info
-    micro = [prepare_micro_batch(run, batch, epoch) for batch, epoch in (run.data.next_batch() for _ in range(cfg.train.grad_accum))]
+    micro = [
+        prepare_micro_batch(run, batch, epoch)
+        for batch, epoch in (run.data.next_batch() for _ in range(cfg.train.grad_accum))
+    ]
     # The loss normalises by the weight of the whole optimizer step on every rank.
     denom = all_reduce_sum(torch.stack([m["weights"].sum() for m in micro]).sum())
     loss_total = torch.zeros((), device=info.device)
     stats_sum, flops = None, 0
     for i, m in enumerate(micro):
         with timer.phase("target"):
-            features = run.target.features(m["input_ids"], m["attention_mask"])
+            # Right padding is invisible to a causal target at real tokens, and filler rows have an
+            # all-false mask that could produce fully masked softmax rows: run without a mask.
+            features = run.target.features(m["input_ids"], None)
         with timer.phase("drafter"), no_sync_unless_last(run.model, i == len(micro) - 1):
-            hidden = run.model(features, m["input_ids"], m["anchors"], m["keep"], run.target.embed_tokens, backend=resolve_backend(cfg, info), sdpa_anchor_chunk=cfg.train.sdpa_anchor_chunk)
-            loss, stats = dflash_loss(hidden.to(run.target.lm_head.weight.dtype), run.target.lm_head.weight, m["labels"], m["label_valid"], m["keep"], gamma=run.gamma, denom=denom, chunk_tokens=cfg.train.loss_chunk_tokens)
+            hidden = run.model(
+                features,
+                m["input_ids"],
+                m["anchors"],
+                m["keep"],
+                run.target.embed_tokens,
+                backend=resolve_backend(cfg, info),
+                sdpa_anchor_chunk=cfg.train.sdpa_anchor_chunk,
+            )
+            loss, stats = dflash_loss(
+                hidden.to(run.target.lm_head.weight.dtype),
+                run.target.lm_head.weight,
+                m["labels"],
+                m["label_valid"],
+                m["keep"],
+                gamma=run.gamma,
+                denom=denom,
+                chunk_tokens=cfg.train.loss_chunk_tokens,
+            )
             # DDP/FSDP average gradients over ranks; the loss is already a global sum, so undo the mean.
             (loss * info.world_size).backward()
         loss_total += loss.detach()
@@ -254,10 +316,13 @@ def train_step(run: Run, timer: PhaseTimer, hooks: TrainHooks, stop_requested: b
         hooks.after_backward(run)
     with timer.phase("optimizer"):
         grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.train.clip_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor norm over the sharded gradients
+            grad_norm = grad_norm.full_tensor()
         loss_total = all_reduce_sum(loss_total)
         # The one host sync of a step: every rank must agree before the update (non-finite, SIGTERM).
         bad = ~torch.isfinite(loss_total) | ~torch.isfinite(grad_norm)
-        nonfinite, stop = any_rank_flags([bad, stop_requested], info.device)
+        # SIGTERM is read here, at the end of the step, so a signal during step k stops after step k.
+        nonfinite, stop = any_rank_flags([bad, stop_requested()], info.device)
         if nonfinite:
             run.optimizer.zero_grad(set_to_none=True)
             handle_nonfinite(run, float(loss_total), float(grad_norm))
@@ -275,7 +340,9 @@ def handle_nonfinite(run: Run, loss: float, grad_norm: float) -> None:
     """Stop every rank before the update (default) or skip the step and count it."""
     if run.cfg.train.nonfinite == "skip":
         run.counters["skipped_steps"] += 1
-        log_main(f"step {run.step}: non-finite loss {loss} or grad norm {grad_norm} on some rank; step skipped (train.nonfinite=skip)")
+        log_main(
+            f"step {run.step}: non-finite loss {loss} or grad norm {grad_norm} on some rank; step skipped (train.nonfinite=skip)"
+        )
         return
     raise NonFiniteError(
         f"step {run.step}: non-finite loss ({loss}) or gradient norm ({grad_norm}) on at least one rank; stopped before the optimizer step, "
@@ -291,10 +358,21 @@ def prepare_micro_batch(run: Run, batch, epoch: int) -> dict[str, torch.Tensor]:
     input_ids = batch.input_ids.to(dev, non_blocking=True)
     loss_mask = batch.loss_mask.to(dev, non_blocking=True)
     attention_mask = batch.attention_mask.to(dev, non_blocking=True)
-    anchors, keep = sample_anchors(loss_mask, run.cfg.train.num_anchors, run.cfg.train.seed, epoch, batch.sample_index.to(dev))
+    anchors, keep = sample_anchors(
+        loss_mask, run.cfg.train.num_anchors, run.cfg.train.seed, epoch, batch.sample_index.to(dev)
+    )
     labels, label_valid = block_targets(input_ids, loss_mask, anchors, run.cfg.drafter.block_size)
     weights = loss_weights(keep, label_valid, run.gamma)
-    return {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention_mask, "anchors": anchors, "keep": keep, "labels": labels, "label_valid": label_valid, "weights": weights}
+    return {
+        "input_ids": input_ids,
+        "loss_mask": loss_mask,
+        "attention_mask": attention_mask,
+        "anchors": anchors,
+        "keep": keep,
+        "labels": labels,
+        "label_valid": label_valid,
+        "weights": weights,
+    }
 
 
 def resolve_backend(cfg: RunConfig, info: DistInfo) -> str:
@@ -318,13 +396,17 @@ class no_sync_unless_last:
 
 def step_flops(run: Run, m: dict[str, torch.Tensor]) -> float:
     rows, seq_len = m["input_ids"].shape
-    return train_step_flops(run.target.config, run.draft_config, seq_len=seq_len, num_anchors=m["anchors"].shape[1], rows=rows)["total"]
+    return train_step_flops(
+        run.target.config, run.draft_config, seq_len=seq_len, num_anchors=m["anchors"].shape[1], rows=rows
+    )["total"]
 
 
 # ----------------------------------------------------------------------------- logging
 
 
-def log_metrics(run: Run, result: dict, metrics_sum: dict, timer: PhaseTimer, seconds: float, steps: int) -> dict[str, Any]:
+def log_metrics(
+    run: Run, result: dict, metrics_sum: dict, timer: PhaseTimer, seconds: float, steps: int
+) -> dict[str, Any]:
     """Reduce the summed metrics over ranks and turn them into one log row (a log step only)."""
     info = run.info
     for value in metrics_sum.values():
@@ -392,7 +474,11 @@ def _barrier(info: DistInfo) -> None:
 def maybe_resume(run: Run) -> None:
     """``resume: auto`` continues from the newest committed checkpoint of output_dir."""
     mode = run.cfg.checkpoint.resume
-    path = None if mode == "never" else (ckpt.latest_checkpoint(run.cfg.output_dir) if mode == "auto" else Path(mode))
+    path = (
+        None
+        if mode == "never"
+        else (ckpt.latest_checkpoint(run.cfg.output_dir) if mode == "auto" else Path(mode))
+    )
     if path is None:
         return
     loaded = ckpt.load_checkpoint(path)

@@ -1,0 +1,184 @@
+"""``dflash-train bench``: the full train step at a preset shape with random weights.
+
+Builds the target (only the layers the features need) and the drafter directly on the device,
+feeds fixed-shape synthetic rows (random ids, a 10% prompt then response tokens), runs warm-up
+steps, then times full optimizer steps (target forward + drafter forward/backward + one-pass
+LM-head loss + AdamW) with the same ``train_step`` the trainer uses. Reports target tokens/s,
+the step-time split, MFU against the measured 798 TFLOP/s bf16 peak of an H200, and peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dflash_train.config import load_config
+from dflash_train.train.flops import mfu, train_step_flops
+from dflash_train.train.parallel import DistInfo, pick_device
+from dflash_train.train.step_timer import PhaseTimer
+
+# preset -> (target preset, drafter preset, default seq len, default anchors)
+BENCH_SHAPES = {
+    "qwen3.6-27b": ("qwen3.6-27b", "qwen3.6-27b", 4096, 512),
+    "qwen3-8b": ("qwen3-8b", "qwen3-8b", 4096, 512),
+    "tiny": ("tiny-hybrid", "tiny", 256, 32),
+}
+
+
+@dataclass
+class SyntheticBatch:
+    """Duck-types ``data.Batch``: random ids, prompt-then-response loss mask, no padding."""
+
+    input_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    attention_mask: torch.Tensor
+    sample_index: torch.Tensor
+
+
+class SyntheticData:
+    """An endless stream of identical-shape random batches (the data pipeline is not timed)."""
+
+    epoch = 0
+    steps_per_epoch = 1 << 30
+
+    def __init__(self, rows: int, seq_len: int, vocab_size: int, device: torch.device, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, vocab_size, (rows, seq_len), generator=g)
+        loss_mask = torch.ones(rows, seq_len, dtype=torch.bool)
+        loss_mask[:, : seq_len // 10] = False
+        self.batch = SyntheticBatch(
+            ids.to(device),
+            loss_mask.to(device),
+            torch.ones_like(loss_mask).to(device),
+            torch.arange(rows, device=device),
+        )
+        self.calls = 0
+
+    def next_batch(self):
+        self.calls += 1
+        batch = self.batch
+        # A new sample index per call draws new anchors, as real data would.
+        batch.sample_index = batch.sample_index + batch.sample_index.numel()
+        return batch, 0
+
+    def log_stats(self) -> dict[str, float]:
+        return {}
+
+
+def bench_config(args: argparse.Namespace):
+    """A RunConfig for the preset shape; only target, drafter and train sections matter here."""
+    target_preset, drafter_preset, seq_len, anchors = BENCH_SHAPES[args.preset]
+    seq_len = args.seq_len or seq_len
+    anchors = args.num_anchors or anchors
+    tiny = args.preset == "tiny"
+    overrides = [
+        f"target.path=preset:{target_preset}",
+        f"target.dtype={'float32' if tiny else 'bfloat16'}",
+        f"drafter.preset={drafter_preset}",
+        f"train.num_anchors={anchors}",
+        f"train.dtype={'float32' if tiny else 'bfloat16'}",
+        f"train.attention_backend={args.attention_backend}",
+        f"train.activation_checkpointing={str(args.activation_checkpointing).lower()}",
+        f"train.loss_chunk_tokens={args.loss_chunk_tokens}",
+        f"train.compile={str(args.compile if args.compile is not None else not tiny).lower()}",
+        f"data.seq_buckets=[{seq_len}]",
+        f"data.token_budget={seq_len * args.rows}",
+        "train.max_steps=1000000",
+        "output_dir=runs/bench",
+    ]
+    if tiny:
+        overrides += ["target.target_layer_ids=[0,2]", "drafter.mask_token_id=319", "drafter.block_size=16"]
+    return load_config("tiny-cpu", overrides), seq_len, anchors
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Time ``args.steps`` full train steps after ``args.warmup`` warm-up steps."""
+    from dflash_train.models.target import load_target
+    from dflash_train.train.trainer import (
+        Run,
+        TrainHooks,
+        build_drafter,
+        build_optimizer,
+        build_scheduler,
+        train_step,
+    )
+
+    if args.preset not in BENCH_SHAPES:
+        raise ValueError(f"--preset {args.preset!r}: use one of {list(BENCH_SHAPES)}")
+    cfg, seq_len, anchors = bench_config(args)
+    device = pick_device(args.device)
+    info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
+    torch.manual_seed(0)
+    target = load_target(cfg.target, device, truncate_unused_layers=True)
+    draft_config, model = build_drafter(cfg, target, info)
+    optimizer = build_optimizer(model, cfg, info)
+    data = SyntheticData(args.rows, seq_len, target.vocab_size, device)
+    if args.drafter_only:
+        features = target.features(data.batch.input_ids, data.batch.attention_mask)
+        target.features = lambda ids, mask: features  # time the drafter side alone
+    run = Run(
+        cfg=cfg,
+        info=info,
+        target=target,
+        draft_config=draft_config,
+        model=model,
+        optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, cfg, 1_000_000),
+        data=data,
+        total_steps=1_000_000,
+        gamma=7.0,
+    )
+    timer = PhaseTimer(device)
+    hooks = TrainHooks()
+    for _ in range(args.warmup):
+        train_step(run, timer, hooks)
+    _sync(device)
+    timer.collect()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        result = train_step(run, timer, hooks)
+    _sync(device)
+    elapsed = time.perf_counter() - t0
+    phases = timer.collect()
+    step_s = elapsed / args.steps
+    flops = train_step_flops(
+        target.config, draft_config, seq_len=seq_len, num_anchors=anchors, rows=args.rows
+    )
+    if args.drafter_only:
+        flops["total"] -= flops["target"]
+    tokens = args.rows * seq_len
+    return {
+        "preset": args.preset,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "seq_len": seq_len,
+        "rows": args.rows,
+        "num_anchors": anchors,
+        "drafter_only": bool(args.drafter_only),
+        "attention_backend": "flex"
+        if (args.attention_backend == "auto" and device.type == "cuda")
+        else (args.attention_backend if args.attention_backend != "auto" else "sdpa"),
+        "compile": cfg.train.compile,
+        "tokens_per_s": tokens / step_s,
+        "samples_per_s": args.rows / step_s,
+        "step_s": step_s,
+        "target_s": phases.get("target", 0.0) / args.steps,
+        "drafter_s": phases.get("drafter", 0.0) / args.steps,
+        "optimizer_s": phases.get("optimizer", 0.0) / args.steps,
+        "tflop_per_step": flops["total"] / 1e12,
+        "mfu": mfu(flops["total"], step_s),
+        "peak_mem_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0,
+        "loss": float(result["loss"]),
+        "target_kernels": target.kernels,
+        "torch": torch.__version__,
+    }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,207 @@
+"""Trainer behaviour on CPU with the tiny hybrid target: learning, exact resume, faults, ranks."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_train.config import load_config
+from dflash_train.tiny import save_tiny_target
+from dflash_train.train import checkpoint as ckpt
+from dflash_train.train.trainer import NonFiniteError, TrainHooks, train
+
+GOLDEN = Path(__file__).parent / "golden" / "tiny_train_losses.json"
+WORDS = ["def", "add", "return", "self", "print", "range", "class", "Point", "the", "quick", "fox"]
+
+
+def write_repeat_task(path: Path, rows: int = 48, seed: int = 0) -> Path:
+    """A learnable toy task: the response repeats a short random phrase several times."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(rows):
+            phrase = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 4)))
+            messages = [
+                {"role": "user", "content": f"repeat: {phrase}"},
+                {"role": "assistant", "content": " ".join([phrase] * 6)},
+            ]
+            f.write(json.dumps({"messages": messages}) + "\n")
+    return path
+
+
+def confident_tiny_target(directory: Path) -> Path:
+    """The tiny hybrid target with an LM head as sharp as a trained model's.
+
+    At the default 0.02 init the random head maps any hidden state to near-uniform logits, so a
+    drafter could only learn by inflating its final norm over thousands of steps.
+    """
+    from transformers import AutoModelForCausalLM
+
+    save_tiny_target(directory, kind="hybrid", seed=0)
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(25.0)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_task")
+    target = confident_tiny_target(root / "target")
+    return {
+        "target": str(target),
+        "data": str(write_repeat_task(root / "data.jsonl")),
+        "cache": str(root / "cache"),
+    }
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matmuls: 1 thread is faster here, and results do not depend on it
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_config(task, out_dir, *extra):
+    return load_config(
+        "tiny-cpu",
+        [
+            f"target.path={task['target']}",
+            f"data.paths=[{task['data']}]",
+            f"data.cache_dir={task['cache']}",
+            f"output_dir={out_dir}",
+            "target.target_layer_ids=[0,2]",
+            "data.seq_buckets=[64,128]",
+            "data.token_budget=256",
+            "train.num_anchors=8",
+            "train.max_steps=12",
+            "train.lr=3e-3",
+            "logging.every_steps=1",
+            "logging.progress_bar=off",
+            "checkpoint.every_steps=4",
+            *extra,
+        ],
+    )
+
+
+def logged_losses(out_dir) -> dict[int, float]:
+    rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+def test_loss_falls_and_result_names_checkpoint_and_export(task, tmp_path):
+    result = train(tiny_config(task, tmp_path / "run", "train.max_steps=40", "checkpoint.every_steps=100"))
+    losses = logged_losses(tmp_path / "run")
+    first, last = sum(losses[s] for s in range(1, 6)) / 5, sum(losses[s] for s in range(36, 41)) / 5
+    assert last < first - 0.3, losses
+    assert set(result) >= {"step", "loss", "tau", "checkpoint", "export"} and result["step"] == 40
+    assert Path(result["checkpoint"], ckpt.COMMIT_MARKER).is_file()
+    assert (Path(result["export"]) / "model.safetensors").is_file()
+
+
+def test_golden_losses_of_a_fixed_seed_run(task, tmp_path):
+    """Per-step losses of a 30-step run; a numerics change must update the file on purpose."""
+    train(tiny_config(task, tmp_path / "run", "train.max_steps=30", "checkpoint.every_steps=100"))
+    losses = [logged_losses(tmp_path / "run")[s] for s in range(1, 31)]
+    if os.environ.get("DFLASH_UPDATE_GOLDEN"):
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps({"losses": losses}, indent=1) + "\n")
+    golden = json.loads(GOLDEN.read_text())["losses"]
+    # Tight, not bit-exact: CPU kernels differ slightly between instruction sets (AVX2 vs AVX-512).
+    assert losses == pytest.approx(golden, rel=1e-4, abs=1e-5)
+
+
+def test_resume_reproduces_the_uninterrupted_run_exactly(task, tmp_path):
+    full = tmp_path / "full"
+    train(tiny_config(task, full))
+    interrupted = tmp_path / "interrupted"
+
+    def sigterm_during_step_6(run):
+        if run.step == 5:  # steps done so far: the signal lands inside the 6th step
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    first = train(tiny_config(task, interrupted), TrainHooks(after_backward=sigterm_during_step_6))
+    assert first["step"] == 6 and first["export"] is None
+    assert ckpt.latest_checkpoint(interrupted).name == "step-00000006"
+    train(tiny_config(task, interrupted))
+    assert logged_losses(interrupted) == logged_losses(full)  # bit-exact on CPU
+
+
+def test_resume_refuses_a_changed_block_size(task, tmp_path):
+    train(tiny_config(task, tmp_path / "run", "train.max_steps=4"))
+    with pytest.raises(ValueError, match=r"drafter.block_size.*allow_changed"):
+        train(tiny_config(task, tmp_path / "run", "train.max_steps=4", "drafter.block_size=4"))
+
+
+KILL_DURING_SAVE = """
+import os, signal, sys
+from dflash_train.train import checkpoint as ckpt
+from dflash_train.train.trainer import train
+from tests.test_train import tiny_config
+real = ckpt._fsync_file
+def fsync_then_die(path):
+    real(path)
+    if path.name == "state.pt" and "step-00000008" in str(path.parent):
+        os.kill(os.getpid(), signal.SIGKILL)  # dies mid-save: no commit marker for step 8
+ckpt._fsync_file = fsync_then_die
+task = {"target": sys.argv[1], "data": sys.argv[2], "cache": sys.argv[3]}
+train(tiny_config(task, sys.argv[4]))
+"""
+
+
+def test_sigkill_during_a_save_resumes_from_the_last_committed_step(task, tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1]), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", KILL_DURING_SAVE, task["target"], task["data"], task["cache"], str(run_dir)],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert any(p.name.startswith(".tmp-step-00000008") for p in ckpt.checkpoints_root(run_dir).iterdir())
+    assert ckpt.latest_checkpoint(run_dir).name == "step-00000004"
+    result = train(tiny_config(task, run_dir))
+    assert result["step"] == 12
+    full = tmp_path / "full"
+    train(tiny_config(task, full))
+    resumed = logged_losses(run_dir)
+    assert all(resumed[s] == loss for s, loss in logged_losses(full).items())
+
+
+def test_nonfinite_gradient_stops_before_the_update(task, tmp_path):
+    params, seen = {}, {}
+
+    def poison_at_step_3(run):
+        if run.step == 2:
+            seen["run"] = run
+            params.update({n: p.detach().clone() for n, p in run.model.named_parameters()})
+            next(run.model.parameters()).grad.fill_(float("nan"))
+
+    hooks = TrainHooks(after_backward=poison_at_step_3)
+    with pytest.raises(NonFiniteError, match="stopped before the optimizer step"):
+        train(tiny_config(task, tmp_path / "run"), hooks)
+    assert seen["run"].step == 2  # the step counter did not advance
+    assert all(torch.equal(p, params[n]) for n, p in seen["run"].model.named_parameters())
+    assert ckpt.latest_checkpoint(tmp_path / "run") is None  # every_steps=4: nothing saved before step 3
+
+
+def test_nonfinite_skip_policy_counts_and_continues(task, tmp_path):
+    def poison(run):
+        if run.step == 2:
+            next(run.model.parameters()).grad.fill_(float("nan"))
+
+    result = train(
+        tiny_config(task, tmp_path / "run", "train.nonfinite=skip", "train.max_steps=4"),
+        TrainHooks(after_backward=poison),
+    )
+    assert result["step"] == 4
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["skipped_steps"] == 1

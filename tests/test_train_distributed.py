@@ -1,0 +1,95 @@
+"""Two-rank training on CPU (gloo): DDP and FSDP2 train, and a NaN on one rank stops both."""
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from tests.test_train import confident_tiny_target, logged_losses, tiny_config, write_repeat_task
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker(
+    rank: int, world: int, port: int, task: dict, out_dir: str, extra: list, mode: str, result_dir: str
+):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    from dflash_train.train.trainer import NonFiniteError, TrainHooks, train
+
+    outcome = {"rank": rank}
+    snapshot = {}
+
+    def poison_on_rank_1(run):
+        if run.step == 2:
+            snapshot.update({n: p.detach().clone() for n, p in run.model.named_parameters()})
+            snapshot["run"] = run
+            if rank == 1:
+                next(run.model.parameters()).grad.fill_(float("nan"))
+
+    hooks = TrainHooks(after_backward=poison_on_rank_1) if mode == "nan" else None
+    try:
+        outcome["result"] = train(tiny_config(task, out_dir, *extra), hooks)
+    except NonFiniteError as err:
+        run = snapshot["run"]
+        outcome["error"] = str(err)
+        outcome["params_unchanged"] = all(
+            torch.equal(p, snapshot[n]) for n, p in run.model.named_parameters()
+        )
+        outcome["step"] = run.step
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    Path(result_dir, f"rank{rank}.json").write_text(json.dumps(outcome, default=str))
+
+
+def run_two_ranks(task, out_dir, extra, mode, tmp_path):
+    result_dir = tmp_path / "results"
+    result_dir.mkdir(exist_ok=True)
+    mp.spawn(
+        worker, args=(2, free_port(), task, str(out_dir), extra, mode, str(result_dir)), nprocs=2, join=True
+    )
+    return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist_task")
+    target = confident_tiny_target(root / "target")
+    return {
+        "target": str(target),
+        "data": str(write_repeat_task(root / "data.jsonl")),
+        "cache": str(root / "cache"),
+    }
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_train_and_the_loss_falls(task, tmp_path, parallel):
+    extra = [f"train.parallel={parallel}", "train.max_steps=30", "checkpoint.every_steps=100"]
+    outcomes = run_two_ranks(task, tmp_path / "run", extra, "train", tmp_path)
+    assert [o["result"]["step"] for o in outcomes] == [30, 30]
+    losses = logged_losses(tmp_path / "run")
+    assert sum(losses[s] for s in range(26, 31)) < sum(losses[s] for s in range(1, 6)) - 1.0, losses
+    assert Path(outcomes[0]["result"]["export"], "model.safetensors").is_file()
+
+
+def test_nan_on_one_rank_stops_both_before_the_step(task, tmp_path):
+    outcomes = run_two_ranks(task, tmp_path / "run", ["train.parallel=ddp"], "nan", tmp_path)
+    for o in outcomes:
+        assert "stopped before the optimizer step" in o["error"], o
+        assert o["params_unchanged"] and o["step"] == 2
