@@ -210,7 +210,7 @@ def apply_compile_and_checkpointing(drafter: nn.Module, cfg: RunConfig) -> None:
     """Per-layer activation checkpointing and torch.compile (main thread only, fixed shapes)."""
     from torch.utils.checkpoint import checkpoint
 
-    for i, layer in enumerate(drafter.layers):
+    for layer in drafter.layers:
         if cfg.train.activation_checkpointing:
             layer.forward = _checkpointed(layer.forward, checkpoint)
         if cfg.train.compile:
