@@ -1,6 +1,7 @@
 """Trainer behaviour on CPU with the tiny hybrid target: learning, exact resume, faults, ranks."""
 
 import json
+import math
 import os
 import random
 import signal
@@ -205,3 +206,22 @@ def test_nonfinite_skip_policy_counts_and_continues(task, tmp_path):
     assert result["step"] == 4
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["skipped_steps"] == 1
+
+
+@pytest.mark.gpu
+def test_cuda_run_with_flex_attention_compile_and_bf16(task, tmp_path):
+    cfg = tiny_config(
+        task,
+        tmp_path / "run",
+        "train.device=cuda",
+        "train.dtype=bfloat16",
+        "target.dtype=bfloat16",
+        "train.attention_backend=flex",
+        "train.compile=true",
+        "train.max_steps=40",
+        "checkpoint.every_steps=100",
+    )
+    result = train(cfg)
+    losses = logged_losses(tmp_path / "run")
+    assert result["step"] == 40 and all(map(math.isfinite, losses.values()))
+    assert sum(losses[s] for s in range(36, 41)) < sum(losses[s] for s in range(1, 6)) - 0.3, losses

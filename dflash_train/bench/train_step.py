@@ -91,7 +91,7 @@ def bench_config(args: argparse.Namespace):
         "output_dir=runs/bench",
     ]
     if tiny:
-        overrides += ["target.target_layer_ids=[0,2]", "drafter.mask_token_id=319", "drafter.block_size=16"]
+        overrides += ["target.target_layer_ids=[0,2]", "drafter.mask_token_id=319"]
     return load_config("tiny-cpu", overrides), seq_len, anchors
 
 

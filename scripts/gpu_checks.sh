@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# GPU checks and benchmarks on one H200 (torch 2.11, no network): logs go to $OUT (or ./gpu-logs).
+# Usage: scripts/gpu_checks.sh [checks|bench|all]   (fla-core wheels in .whl/, see docs/performance.md)
+set -u
+OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
+what=${1:-all}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+step() {  # step NAME TIMEOUT CMD...
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  printf '%-28s rc=%-3s %4ss  %s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" "$(tail -n 1 "$OUT/$name.log" | cut -c1-300)" | tee -a "$OUT/summary.txt"
+}
+python3 -c "import torch, transformers, fla; print('torch', torch.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/summary.txt"
+if [ "$what" = checks ] || [ "$what" = all ]; then
+  step gpu_tests 240 python3 -m pytest -q -x -m gpu tests
+  step target_check 180 python3 scripts/gpu_check_target.py
+  step drafter_check 300 python3 scripts/gpu_check_drafter.py
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  step bench_tiny_cuda 120 python3 -m dflash_train.cli bench --preset tiny --device cuda --steps 3 --json
+  step bench_27b_drafter_sdpa 240 python3 -m dflash_train.cli bench --preset qwen3.6-27b --drafter-only --attention-backend sdpa --no-compile --json
+  step bench_27b_full_flex 400 python3 -m dflash_train.cli bench --preset qwen3.6-27b --attention-backend flex --compile --json
+fi
