@@ -23,9 +23,10 @@ if [ "$what" = checks ] || [ "$what" = all ]; then
   step gpu_tests 240 python3 -m pytest -q -x -m gpu tests
   step target_check 180 python3 scripts/gpu_check_target.py
   step drafter_check 300 python3 scripts/gpu_check_drafter.py
+  step bench_tiny_cuda 120 python3 -m dflash_train.cli bench --preset tiny --device cuda --steps 3 --json
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  step bench_tiny_cuda 120 python3 -m dflash_train.cli bench --preset tiny --device cuda --steps 3 --json
-  step bench_27b_drafter_sdpa 240 python3 -m dflash_train.cli bench --preset qwen3.6-27b --drafter-only --attention-backend sdpa --no-compile --json
-  step bench_27b_full_flex 400 python3 -m dflash_train.cli bench --preset qwen3.6-27b --attention-backend flex --compile --json
+  step bench_27b_full_flex 300 python3 -m dflash_train.cli bench --preset qwen3.6-27b --attention-backend flex --compile --json
+  step bench_27b_drafter_flex 200 python3 -m dflash_train.cli bench --preset qwen3.6-27b --drafter-only --attention-backend flex --compile --json
+  step bench_27b_full_sdpa 200 python3 -m dflash_train.cli bench --preset qwen3.6-27b --attention-backend sdpa --no-compile --json
 fi

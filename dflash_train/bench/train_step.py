@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from dflash_train.config import load_config
+from dflash_train.models.presets import DRAFTER_PRESETS
 from dflash_train.train.flops import mfu, train_step_flops
 from dflash_train.train.parallel import DistInfo, pick_device
 from dflash_train.train.step_timer import PhaseTimer
@@ -92,6 +93,8 @@ def bench_config(args: argparse.Namespace):
     ]
     if tiny:
         overrides += ["target.target_layer_ids=[0,2]", "drafter.mask_token_id=319"]
+    else:  # the drafter preset's feature layers, e.g. [1,16,31,46,61] for Qwen3.6-27B
+        overrides += [f"target.target_layer_ids={DRAFTER_PRESETS[drafter_preset]['target_layer_ids']}"]
     return load_config("tiny-cpu", overrides), seq_len, anchors
 
 

@@ -8,6 +8,7 @@ small all-reduce per step.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import random
@@ -33,6 +34,7 @@ from dflash_train.train.parallel import (
     init_distributed,
     load_full_state,
     unwrap,
+    uses_fsdp,
     wrap_drafter,
 )
 from dflash_train.train.step_timer import PhaseTimer
@@ -77,6 +79,10 @@ def run_training(recipe: str, overrides: list[str]) -> dict[str, Any]:
 
 def train(cfg: RunConfig, hooks: TrainHooks | None = None) -> dict[str, Any]:
     """Build the run, then loop over optimizer steps until done, stopped or failed."""
+    if cfg.train.placement == "split":
+        from dflash_train.train.split import train_split  # lazy: split.py imports this module
+
+        return train_split(cfg, hooks)
     hooks = hooks or TrainHooks()
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     info = init_distributed(cfg.train.device)
@@ -285,7 +291,7 @@ def train_step(
             # Right padding is invisible to a causal target at real tokens, and filler rows have an
             # all-false mask that could produce fully masked softmax rows: run without a mask.
             features = run.target.features(m["input_ids"], None)
-        with timer.phase("drafter"), no_sync_unless_last(run.model, i == len(micro) - 1):
+        with timer.phase("drafter"), no_sync_unless_last(run.model, i == len(micro) - 1), compute_precision(run):
             hidden = run.model(
                 features,
                 m["input_ids"],
@@ -373,6 +379,15 @@ def prepare_micro_batch(run: Run, batch, epoch: int) -> dict[str, torch.Tensor]:
         "label_valid": label_valid,
         "weights": weights,
     }
+
+
+def compute_precision(run: Run):
+    """bf16 compute over fp32 master weights: FSDP2's mixed-precision policy casts the parameters
+    itself; a single process or DDP gets autocast."""
+    dtype = DTYPES[run.cfg.train.dtype]
+    if dtype == torch.float32 or uses_fsdp(run.model):
+        return contextlib.nullcontext()
+    return torch.autocast(run.info.device.type, dtype=dtype)
 
 
 def resolve_backend(cfg: RunConfig, info: DistInfo) -> str:
