@@ -16,17 +16,17 @@ from typing import Any
 
 import torch
 
-from dflash_train.config import load_config
+from dflash_train.config import default_gamma, load_config
 from dflash_train.models.presets import DRAFTER_PRESETS
 from dflash_train.train.flops import mfu, train_step_flops
 from dflash_train.train.parallel import DistInfo, pick_device
 from dflash_train.train.step_timer import PhaseTimer
 
-# preset -> (target preset, drafter preset, default seq len, default anchors)
+# preset -> (target preset, drafter preset, default seq len, default anchors, block size)
 BENCH_SHAPES = {
-    "qwen3.6-27b": ("qwen3.6-27b", "qwen3.6-27b", 4096, 512),
-    "qwen3-8b": ("qwen3-8b", "qwen3-8b", 4096, 512),
-    "tiny": ("tiny-hybrid", "tiny", 256, 32),
+    "qwen3.6-27b": ("qwen3.6-27b", "qwen3.6-27b", 4096, 512, 16),
+    "qwen3-8b": ("qwen3-8b", "qwen3-8b", 4096, 512, 16),
+    "tiny": ("tiny-hybrid", "tiny", 256, 32, 8),
 }
 
 
@@ -72,7 +72,7 @@ class SyntheticData:
 
 def bench_config(args: argparse.Namespace):
     """A RunConfig for the preset shape; only target, drafter and train sections matter here."""
-    target_preset, drafter_preset, seq_len, anchors = BENCH_SHAPES[args.preset]
+    target_preset, drafter_preset, seq_len, anchors, block_size = BENCH_SHAPES[args.preset]
     seq_len = args.seq_len or seq_len
     anchors = args.num_anchors or anchors
     tiny = args.preset == "tiny"
@@ -80,6 +80,7 @@ def bench_config(args: argparse.Namespace):
         f"target.path=preset:{target_preset}",
         f"target.dtype={'float32' if tiny else 'bfloat16'}",
         f"drafter.preset={drafter_preset}",
+        f"drafter.block_size={block_size}",
         f"train.num_anchors={anchors}",
         f"train.dtype={'float32' if tiny else 'bfloat16'}",
         f"train.attention_backend={args.attention_backend}",
@@ -133,7 +134,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         scheduler=build_scheduler(optimizer, cfg, 1_000_000),
         data=data,
         total_steps=1_000_000,
-        gamma=7.0,
+        gamma=default_gamma(draft_config.block_size),
     )
     timer = PhaseTimer(device)
     hooks = TrainHooks()
@@ -162,6 +163,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "seq_len": seq_len,
         "rows": args.rows,
         "num_anchors": anchors,
+        "block_size": draft_config.block_size,
         "drafter_only": bool(args.drafter_only),
         "attention_backend": "flex"
         if (args.attention_backend == "auto" and device.type == "cuda")
