@@ -26,6 +26,7 @@ if [ "$what" = checks ] || [ "$what" = all ]; then
   step bench_tiny_cuda 120 python3 -m dflash_train.cli bench --preset tiny --device cuda --steps 3 --json
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
+  step conv_check 90 python3 scripts/gpu_conv_check.py
   step bench_27b_full_flex 300 python3 -m dflash_train.cli bench --preset qwen3.6-27b --attention-backend flex --compile --json
   step bench_27b_drafter_8k 150 python3 -m dflash_train.cli bench --preset qwen3.6-27b --drafter-only --seq-len 8000 --num-anchors 1024 --json
   step bench_27b_full_32k 240 python3 -m dflash_train.cli bench --preset qwen3.6-27b --seq-len 32768 --num-anchors 2048 --steps 3 --json
