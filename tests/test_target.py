@@ -306,3 +306,29 @@ def test_default_layer_ids_and_builtin(monkeypatch, tiny_qwen3_dir):
     monkeypatch.setitem(sys.modules, "dflash_train.demo.target_build", fake)
     model, tokenizer = load_causal_lm("builtin:tiny", dtype="float32", device="cpu")
     assert type(model).__name__ == "Qwen3ForCausalLM" and tokenizer is not None
+
+
+@pytest.mark.gpu
+def test_fla_causal_conv_matches_the_torch_fallback_on_cuda():
+    from dflash_train.models import target as target_mod
+
+    model = target_mod.build_preset_target("tiny-hybrid", dtype=torch.bfloat16, device="cuda")
+    ids = torch.randint(0, 300, (2, 128), device="cuda")
+    module = sys.modules[type(target_mod.gated_delta_net_layers(model)[0]).__module__]
+    original = module.causal_conv1d_fn
+    try:
+        reference = FrozenTarget(model, None, [0, 2]).features(ids)
+        assert target_mod.bind_fla_causal_conv(model, "cuda")
+        assert target_mod.bound_kernels(model)["causal_conv1d_fn"] == "fla"
+        fast = FrozenTarget(model, None, [0, 2]).features(ids)
+    finally:
+        module.causal_conv1d_fn = original
+    assert ((fast.float() - reference.float()).norm() / reference.float().norm()) < 2e-2
+
+
+def test_fla_causal_conv_is_not_bound_on_cpu(tiny_hybrid_dir):
+    from dflash_train.models import target as target_mod
+
+    model, _ = target_mod.load_causal_lm(str(tiny_hybrid_dir), dtype="float32", device="cpu")
+    assert not target_mod.bind_fla_causal_conv(model, "cpu")
+    assert target_mod.bound_kernels(model)["causal_conv1d_fn"] == "torch"
