@@ -26,3 +26,17 @@ def tiny_qwen3_dir(tmp_path_factory):
     from dflash_train.tiny import save_tiny_target
 
     return save_tiny_target(tmp_path_factory.mktemp("tiny_qwen3"), kind="qwen3", seed=0)
+
+
+@pytest.fixture(scope="session")
+def train_task(tmp_path_factory):
+    """A learnable chat task, a confident tiny hybrid target and a tokenization cache dir."""
+    from tests.train_helpers import confident_tiny_target, write_repeat_task
+
+    root = tmp_path_factory.mktemp("train_task")
+    target = confident_tiny_target(root / "target")
+    return {
+        "target": str(target),
+        "data": str(write_repeat_task(root / "data.jsonl")),
+        "cache": str(root / "cache"),
+    }

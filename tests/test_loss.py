@@ -1,5 +1,6 @@
 import pytest
 import torch
+from torch import Tensor
 
 from dflash_train.train import loss as loss_mod
 from dflash_train.train.loss import (
@@ -7,7 +8,6 @@ from dflash_train.train.loss import (
     block_targets,
     dflash_loss,
     loss_weights,
-    naive_dflash_loss,
     summarize_metrics,
 )
 
@@ -20,6 +20,25 @@ def make_case(seed=0, rows=2, anchors=5, block=4, hidden=16, vocab=50):
     valid = torch.rand(rows, anchors, block - 1, generator=g) > 0.2
     keep = torch.rand(rows, anchors, generator=g) > 0.3
     return h, w, labels, valid, keep
+
+
+def naive_dflash_loss(
+    hidden: Tensor,
+    lm_head_weight: Tensor,
+    labels: Tensor,
+    label_valid: Tensor,
+    keep: Tensor,
+    *,
+    gamma: float,
+    denom: Tensor,
+) -> Tensor:
+    """Reference: full logits and plain cross-entropy, written straight from DESIGN.md."""
+    weights = loss_weights(keep, label_valid, gamma)
+    logits = (hidden[:, :, 1:] @ lm_head_weight.t()).float()
+    ce = torch.nn.functional.cross_entropy(
+        logits.flatten(0, 2), labels.reshape(-1).clamp_min(0), reduction="none"
+    )
+    return (ce * weights.reshape(-1)).sum() / denom.float().clamp_min(1e-6)
 
 
 @pytest.mark.parametrize("chunk_tokens", [1, 3, 7, 1000])

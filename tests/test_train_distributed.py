@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tests.test_train import confident_tiny_target, logged_losses, tiny_config, write_repeat_task
+from tests.train_helpers import logged_losses, tiny_config
 
 
 def free_port() -> int:
@@ -67,15 +67,9 @@ def run_two_ranks(task, out_dir, extra, mode, tmp_path):
     return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.fixture(scope="module")
-def task(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dist_task")
-    target = confident_tiny_target(root / "target")
-    return {
-        "target": str(target),
-        "data": str(write_repeat_task(root / "data.jsonl")),
-        "cache": str(root / "cache"),
-    }
+@pytest.fixture
+def task(train_task):
+    return train_task
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])

@@ -178,22 +178,3 @@ def summarize_metrics(total: dict[str, Tensor]) -> dict[str, float | list[float]
     out["label_prob_by_pos"] = [round(float(x), 5) for x in host["label_prob"] / valid]
     out["scored_tokens"] = float(host["valid"].sum())
     return out
-
-
-def naive_dflash_loss(
-    hidden: Tensor,
-    lm_head_weight: Tensor,
-    labels: Tensor,
-    label_valid: Tensor,
-    keep: Tensor,
-    *,
-    gamma: float,
-    denom: Tensor,
-) -> Tensor:
-    """Reference: full logits, plain cross-entropy; for tests only (memory grows with N*V)."""
-    weights = loss_weights(keep, label_valid, gamma)
-    logits = (hidden[:, :, 1:] @ lm_head_weight.t()).float()
-    ce = torch.nn.functional.cross_entropy(
-        logits.flatten(0, 2), labels.reshape(-1).clamp_min(0), reduction="none"
-    )
-    return (ce * weights.reshape(-1)).sum() / denom.float().clamp_min(1e-6)

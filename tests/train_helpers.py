@@ -1,0 +1,69 @@
+"""Shared pieces of the training tests: a learnable toy task, a confident tiny target, a config."""
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from dflash_train.config import load_config
+from dflash_train.tiny import save_tiny_target
+
+WORDS = ["def", "add", "return", "self", "print", "range", "class", "Point", "the", "quick", "fox"]
+
+
+def write_repeat_task(path: Path, rows: int = 48, seed: int = 0) -> Path:
+    """A learnable toy task: the response repeats a short random phrase several times."""
+    rng = random.Random(seed)
+    with open(path, "w") as f:
+        for _ in range(rows):
+            phrase = " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 4)))
+            messages = [
+                {"role": "user", "content": f"repeat: {phrase}"},
+                {"role": "assistant", "content": " ".join([phrase] * 6)},
+            ]
+            f.write(json.dumps({"messages": messages}) + "\n")
+    return path
+
+
+def confident_tiny_target(directory: Path) -> Path:
+    """The tiny hybrid target with an LM head as sharp as a trained model's.
+
+    At the default 0.02 init the random head maps any hidden state to near-uniform logits, so a
+    drafter could only learn by inflating its final norm over thousands of steps.
+    """
+    from transformers import AutoModelForCausalLM
+
+    save_tiny_target(directory, kind="hybrid", seed=0)
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(25.0)
+    model.save_pretrained(directory)
+    return directory
+
+
+def tiny_config(task, out_dir, *extra):
+    return load_config(
+        "tiny-cpu",
+        [
+            f"target.path={task['target']}",
+            f"data.paths=[{task['data']}]",
+            f"data.cache_dir={task['cache']}",
+            f"output_dir={out_dir}",
+            "target.target_layer_ids=[0,2]",
+            "data.seq_buckets=[64,128]",
+            "data.token_budget=256",
+            "train.num_anchors=8",
+            "train.max_steps=12",
+            "train.lr=3e-3",
+            "logging.every_steps=1",
+            "logging.progress_bar=off",
+            "checkpoint.every_steps=4",
+            *extra,
+        ],
+    )
+
+
+def logged_losses(out_dir) -> dict[int, float]:
+    rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}
