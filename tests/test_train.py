@@ -159,3 +159,17 @@ def test_cuda_run_with_flex_attention_compile_and_bf16(task, tmp_path):
     losses = logged_losses(tmp_path / "run")
     assert result["step"] == 40 and all(map(math.isfinite, losses.values()))
     assert sum(losses[s] for s in range(36, 41)) < sum(losses[s] for s in range(1, 6)) - 0.3, losses
+
+
+def test_activation_checkpointing_gives_the_same_losses(task, tmp_path, monkeypatch):
+    import torch.utils.checkpoint as torch_checkpoint
+
+    plain = tmp_path / "plain"
+    checkpointed = tmp_path / "checkpointed"
+    train(tiny_config(task, plain, "train.max_steps=4"))
+    calls = []
+    real = torch_checkpoint.checkpoint
+    monkeypatch.setattr(torch_checkpoint, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    train(tiny_config(task, checkpointed, "train.max_steps=4", "train.activation_checkpointing=true"))
+    assert len(calls) >= 4 * 2  # every drafter layer (2) of every step
+    assert logged_losses(checkpointed) == pytest.approx(logged_losses(plain), rel=1e-6)
