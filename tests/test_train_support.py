@@ -314,3 +314,18 @@ def test_any_rank_true_across_two_gloo_ranks(tmp_path):
     for rank in range(2):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert results == [True, False, True, False, True], f"rank {rank}"
+
+
+def test_log_main_prints_only_on_the_logging_rank(monkeypatch, capsys):
+    from dflash_train.train import logging as train_logging
+
+    monkeypatch.setattr(train_logging.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(train_logging.dist, "get_rank", lambda: 2)
+    train_logging.log_main("from rank 2, default logging rank 0")
+    previous = train_logging.set_main_rank(2)
+    try:
+        train_logging.log_main("from rank 2, now the logging rank")
+    finally:
+        train_logging.set_main_rank(previous)
+    out = capsys.readouterr().out
+    assert "now the logging rank" in out and "default logging rank 0" not in out

@@ -1,5 +1,7 @@
 """Rank-0 output: ``log_main`` for messages, ``MetricsLogger`` for per-step metrics.
 
+Rank 0 by default; ``set_main_rank`` moves it (split placement logs from the first drafter rank).
+
 ``MetricsLogger`` writes every logged step to ``run_dir/metrics.jsonl`` (one JSON object a line,
 the record that always exists), drives a progress bar or prints one human line per logging step,
 and optionally mirrors scalars to TensorBoard and Weights & Biases (imported lazily, only when
@@ -33,13 +35,25 @@ from dflash_train.config import LoggingConfig
 ETA_WINDOW_STEPS = 50
 
 
+# Global rank that prints. 0 except in split placement, where rank 0 runs the target and the
+# drafter ranks (which log the metrics) start at ``train.target_ranks``.
+_main_rank = 0
+
+
+def set_main_rank(rank: int) -> int:
+    """Make global rank ``rank`` the one that prints; returns the previous one (to restore it)."""
+    global _main_rank
+    previous, _main_rank = _main_rank, rank
+    return previous
+
+
 def is_main_process() -> bool:
-    """Rank 0 of the initialised process group, or the only process."""
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    """The logging rank (``set_main_rank``, default 0) of the process group, or the only process."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == _main_rank
 
 
 def log_main(msg: str) -> None:
-    """Print ``msg`` to stdout on rank 0 only, without breaking an active progress bar."""
+    """Print ``msg`` to stdout on the logging rank only, without breaking an active progress bar."""
     if is_main_process():
         tqdm.write(msg, file=sys.stdout)
         sys.stdout.flush()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_map
 
 
 @dataclass(frozen=True)
@@ -67,28 +68,42 @@ def init_distributed(requested_device: str = "auto", timeout_s: float = 1800.0) 
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """In-place sum across ranks (no-op alone); stays on the device, no host sync."""
+def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """In-place sum across the ranks of ``group`` (default: all; no-op alone); no host sync."""
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
 
 
-def wrap_drafter(drafter: nn.Module, strategy: str, dtype: torch.dtype, info: DistInfo) -> nn.Module:
-    """Apply the data-parallel strategy; parameters stay fp32 (master weights)."""
+def wrap_drafter(
+    drafter: nn.Module,
+    strategy: str,
+    dtype: torch.dtype,
+    info: DistInfo,
+    group: dist.ProcessGroup | None = None,
+) -> nn.Module:
+    """Apply the data-parallel strategy over ``group`` (default: all ranks); parameters stay fp32.
+
+    ``group`` becomes DDP's process group or FSDP2's device mesh (split placement trains the
+    drafter on a subset of the ranks); a group of one rank trains the plain module.
+    """
     if not info.distributed:
         return drafter
+    if group is not None and dist.get_world_size(group) == 1:
+        return drafter  # as a single process would
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [info.device.index] if info.device.type == "cuda" else None
-        return DistributedDataParallel(drafter, device_ids=ids)
+        return DistributedDataParallel(drafter, device_ids=ids, process_group=group)
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    mesh = DeviceMesh.from_group(group, info.device.type) if group is not None else None
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for layer in drafter.layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(drafter, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(drafter, mesh=mesh, mp_policy=policy)
     return drafter
 
 
@@ -103,22 +118,44 @@ def unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
 
 
-def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The drafter's full fp32 state dict on CPU (gathered from shards; every rank must call)."""
+def full_model_state(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
+    """The drafter's full fp32 state dict on CPU (gathered from shards; every rank must call).
+
+    Without ``group`` the state lands on global rank 0; with one, on the group's first rank and
+    ``{}`` on the others (see ``on_group_leader_cpu``).
+    """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(unwrap(model) if not uses_fsdp(model) else model, options=options)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=group is None)
+    state = get_model_state_dict(unwrap(model) if not uses_fsdp(model) else model, options=options)
+    return on_group_leader_cpu(state, group)
 
 
-def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """The optimizer's full state keyed by parameter names (every rank must call)."""
+def full_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, group: dist.ProcessGroup | None = None
+) -> dict:
+    """The optimizer's full state keyed by parameter names (every rank must call); ``group`` as above."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_optimizer_state_dict(
+    options = StateDictOptions(full_state_dict=True, cpu_offload=group is None)
+    state = get_optimizer_state_dict(
         unwrap(model) if not uses_fsdp(model) else model, optimizer, options=options
     )
+    return on_group_leader_cpu(state, group)
+
+
+def on_group_leader_cpu(state: dict, group: dist.ProcessGroup | None) -> dict:
+    """``state`` (gathered on the device) copied to the CPU of ``group``'s first rank; ``{}`` elsewhere.
+
+    ``cpu_offload`` keeps a full state only on *global* rank 0, which need not be in ``group`` (split
+    placement's drafter group starts at rank ``target_ranks``), so a group gathers on the device and
+    its first rank copies. Without a group the state is returned as it is.
+    """
+    if group is None:
+        return state
+    if dist.get_rank(group) != 0:
+        return {}
+    return tree_map(lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, state)
 
 
 def load_full_state(

@@ -291,7 +291,11 @@ def train_step(
             # Right padding is invisible to a causal target at real tokens, and filler rows have an
             # all-false mask that could produce fully masked softmax rows: run without a mask.
             features = run.target.features(m["input_ids"], None)
-        with timer.phase("drafter"), no_sync_unless_last(run.model, i == len(micro) - 1), compute_precision(run):
+        with (
+            timer.phase("drafter"),
+            no_sync_unless_last(run.model, i == len(micro) - 1),
+            compute_precision(run),
+        ):
             hidden = run.model(
                 features,
                 m["input_ids"],
@@ -420,12 +424,18 @@ def step_flops(run: Run, m: dict[str, torch.Tensor]) -> float:
 
 
 def log_metrics(
-    run: Run, result: dict, metrics_sum: dict, timer: PhaseTimer, seconds: float, steps: int
+    run: Run,
+    result: dict,
+    metrics_sum: dict,
+    timer: PhaseTimer,
+    seconds: float,
+    steps: int,
+    group=None,
 ) -> dict[str, Any]:
-    """Reduce the summed metrics over ranks and turn them into one log row (a log step only)."""
+    """Reduce the summed metrics over ``group`` (default: all ranks) into one log row (log steps only)."""
     info = run.info
     for value in metrics_sum.values():
-        all_reduce_sum(value)
+        all_reduce_sum(value, group)
     phases = timer.collect()
     summary = summarize_metrics({k: v for k, v in metrics_sum.items() if k != "real_tokens"})
     real_tokens = float(metrics_sum["real_tokens"])

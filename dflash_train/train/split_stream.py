@@ -1,0 +1,357 @@
+"""The stream between split placement's roles: who produces what, what crosses, in which order.
+
+Split placement (``train/split.py``) runs the frozen target on the first T ranks and trains the
+drafter on the other D. This module holds the contract between the two roles; ``split.py`` holds
+what each role does with it.
+
+Data. The data-parallel shards are the D drafter ranks' (``TrainData(rank=d, world_size=D)``);
+the target ranks own and read them. Micro-batch ``m = step * M + k`` of drafter d is produced by
+target rank ``(m * D + d) % T`` (round robin, so 1:2, 2:1 and 3:2 layouts all keep every rank busy).
+Target rank 0 tokenizes and tells every rank the data shape; drafter ranks track their position
+with ``StreamPosition`` so checkpoints keep the colocated format.
+
+Stream (per target -> drafter pair, in this order, point-to-point isend/irecv):
+  per step: for each of its micro-batches a header (int64 [HEADER_LEN]) and the packed batch
+  (int64 [R, 3L+1]: ids | loss mask | attention mask | sample index); then the features
+  (target dtype [R, L, n*H]) of each micro-batch. The drafter reads every batch of a step first
+  (the loss denominator spans the whole step), then the features one by one, prefetching the next.
+Back-pressure: a target rank keeps at most ``train.max_in_flight`` unreceived feature messages per
+drafter rank, waiting on the oldest send before posting another; it runs at most
+``max_in_flight // grad_accum`` steps ahead of the drafters.
+
+Reports. On log and save steps every rank sends drafter rank 0 a report (``gather_object``):
+timings, queue depth, bytes and, from the target ranks, their data positions; ``split_metrics``
+turns them into busy fractions and the bottleneck.
+
+Legend: R rows, L sequence, F feature width (n*H), T target ranks, D drafter ranks, M micro-batches
+per optimizer step (``train.grad_accum``).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dflash_train.config import RunConfig
+from dflash_train.data.batching import Batch
+
+HEADER_LEN = 6  # step, micro, rows, seq_len, epoch, feature width
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class SplitLayout:
+    """Which ranks run the target and which micro-batch each target rank produces."""
+
+    num_target_ranks: int
+    num_drafter_ranks: int
+    rank: int
+
+    @classmethod
+    def create(cls, target_ranks: int, world_size: int, rank: int) -> SplitLayout:
+        if not world_size > target_ranks >= 1:
+            raise ValueError(
+                f"train.placement=split with train.target_ranks={target_ranks} needs 1 <= target_ranks < world size "
+                f"({world_size}): launch more processes (torchrun --nproc-per-node) or lower train.target_ranks."
+            )
+        return cls(target_ranks, world_size - target_ranks, rank)
+
+    @property
+    def is_target(self) -> bool:
+        return self.rank < self.num_target_ranks
+
+    @property
+    def drafter_index(self) -> int:
+        return self.rank - self.num_target_ranks
+
+    @property
+    def drafter_main(self) -> int:
+        """Global rank of drafter rank 0: it logs and writes checkpoints."""
+        return self.num_target_ranks
+
+    def producer(self, micro_index: int, drafter: int) -> int:
+        """Target rank producing micro-batch ``micro_index`` (= step * M + k) of drafter ``drafter``."""
+        return (micro_index * self.num_drafter_ranks + drafter) % self.num_target_ranks
+
+
+def pipeline_depth(max_in_flight: int, grad_accum: int) -> int:
+    """Whole steps a target rank may run ahead of the drafters without exceeding ``max_in_flight``."""
+    if max_in_flight < 1:
+        raise ValueError(
+            f"train.max_in_flight={max_in_flight}: use >= 1 (2 overlaps target and drafter work)."
+        )
+    return max_in_flight // grad_accum
+
+
+def data_state(micro_index: int, steps_per_epoch: int) -> dict[str, int]:
+    """``TrainData.state_dict`` of a stream whose next micro-batch has absolute index ``micro_index``."""
+    return {
+        "epoch": micro_index // steps_per_epoch,
+        "position": micro_index % steps_per_epoch,
+        "steps_per_epoch": steps_per_epoch,
+    }
+
+
+# ----------------------------------------------------------------------------- the stream
+
+
+def pack_batch(batch: Batch) -> torch.Tensor:
+    """ids | loss mask | attention mask | sample index as one int64 [R, 3L+1] message."""
+    return torch.cat(
+        [batch.input_ids, batch.loss_mask.long(), batch.attention_mask.long(), batch.sample_index[:, None]],
+        dim=1,
+    )
+
+
+def unpack_batch(packed: torch.Tensor, seq_len: int, epoch: int) -> Batch:
+    ids, loss_mask, attention_mask, index = packed.split([seq_len, seq_len, seq_len, 1], dim=1)
+    return Batch(
+        input_ids=ids.contiguous(),
+        loss_mask=loss_mask.bool(),
+        attention_mask=attention_mask.bool(),
+        sample_index=index[:, 0].contiguous(),
+        epoch=epoch,
+    )
+
+
+def wait_work(work, device: torch.device) -> None:
+    """Block the host until a p2p op is done (NCCL's ``wait`` only orders the CUDA stream)."""
+    if device.type == "cuda":
+        while not work.is_completed():
+            time.sleep(1e-4)
+    else:
+        work.wait()
+
+
+class FeatureSender:
+    """Target side: posts isends, at most ``max_in_flight`` unreceived feature messages per drafter.
+
+    Send buffers live in the queues until their send completes (bounded memory). ``isend`` is
+    injectable for tests. Queue depth (outstanding feature messages to one drafter, the new one
+    included) is sampled at every post.
+    """
+
+    def __init__(self, max_in_flight: int, device: torch.device, isend=dist.isend):
+        self.max_in_flight, self.device, self.isend = max_in_flight, device, isend
+        self.features: dict[int, deque] = {}
+        self.small: deque = deque()
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.wait_s, self.bytes, self.depth_sum, self.depth_posts, self.depth_max = 0.0, 0, 0, 0, 0
+
+    def take_stats(self) -> dict[str, float]:
+        """The counters since the last report (a target report's send side), then reset them."""
+        stats = {
+            "send_wait_s": self.wait_s,
+            "bytes": self.bytes,
+            "depth_sum": self.depth_sum,
+            "depth_posts": self.depth_posts,
+            "depth_max": self.depth_max,
+        }
+        self.reset_stats()
+        return stats
+
+    def send_batch(self, dst: int, header: torch.Tensor, packed: torch.Tensor) -> None:
+        for tensor in (header, packed):
+            self.small.append((self.isend(tensor, dst), tensor))
+        while self.small and self.small[0][0].is_completed():
+            self.small.popleft()
+
+    def send_features(self, dst: int, features: torch.Tensor) -> None:
+        queue = self.features.setdefault(dst, deque())
+        while queue and queue[0][0].is_completed():
+            queue.popleft()
+        t0 = time.perf_counter()
+        while len(queue) >= self.max_in_flight:  # back-pressure: wait for the oldest to be received
+            wait_work(queue.popleft()[0], self.device)
+        self.wait_s += time.perf_counter() - t0
+        queue.append((self.isend(features, dst), features))
+        self.bytes += features.numel() * features.element_size()
+        self.depth_sum, self.depth_posts = self.depth_sum + len(queue), self.depth_posts + 1
+        self.depth_max = max(self.depth_max, len(queue))
+
+    def drain(self) -> None:
+        for queue in [self.small, *self.features.values()]:
+            while queue:
+                wait_work(queue.popleft()[0], self.device)
+
+
+class FeatureReceiver:
+    """Drafter side: receives headers and batches (blocking) and features (prefetched one ahead)."""
+
+    def __init__(self, device: torch.device, feature_dtype: torch.dtype, feature_width: int, group=None):
+        self.irecv = functools.partial(dist.irecv, group=group)
+        self.device, self.dtype, self.width = device, feature_dtype, feature_width
+        self.wait_s, self.bytes = 0.0, 0
+
+    def recv_batch(self, src: int, step: int, micro: int) -> Batch:
+        header = torch.empty(HEADER_LEN, dtype=torch.long, device=self.device)
+        self.wait(self.irecv(header, src))
+        h_step, h_micro, rows, seq_len, epoch, width = header.tolist()  # host sync: shapes come from it
+        if (h_step, h_micro, width) != (step, micro, self.width):
+            raise RuntimeError(
+                f"split stream out of order: expected step {step} micro {micro} width {self.width} from rank {src}, got {h_step}/{h_micro}/{width}"
+            )
+        packed = torch.empty(rows, 3 * seq_len + 1, dtype=torch.long, device=self.device)
+        self.wait(self.irecv(packed, src))
+        return unpack_batch(packed, seq_len, epoch)
+
+    def post_features(self, src: int, batch: Batch) -> tuple[Any, torch.Tensor]:
+        buffer = torch.empty(*batch.input_ids.shape, self.width, dtype=self.dtype, device=self.device)
+        self.bytes += buffer.numel() * buffer.element_size()
+        return self.irecv(buffer, src), buffer
+
+    def wait(self, work) -> None:
+        t0 = time.perf_counter()
+        wait_work(work, self.device)
+        self.wait_s += time.perf_counter() - t0
+
+    def take_stats(self) -> dict[str, float]:
+        """The counters since the last report (a drafter report's receive side), then reset them."""
+        stats = {"recv_wait_s": self.wait_s, "bytes": self.bytes}
+        self.wait_s, self.bytes = 0.0, 0
+        return stats
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def share_data_info(cfg: RunConfig, layout: SplitLayout, target) -> dict[str, Any]:
+    """Target rank 0 tokenizes and tells every rank the data shape (or the error), then targets load it."""
+    from dflash_train.data.cache import load_or_build
+
+    message: list[Any] = [None]
+    tokenized = None
+    if layout.rank == 0:
+        try:
+            tokenized, message[0] = _tokenize_and_describe(cfg, target, layout)
+        except (ValueError, OSError) as err:  # recovery boundary: every rank must raise together
+            message[0] = {"error": f"{type(err).__name__}: {err}"}
+    dist.broadcast_object_list(message, src=0)
+    if "error" in message[0]:
+        raise ValueError(f"data preparation failed on target rank 0: {message[0]['error']}")
+    if layout.is_target and tokenized is None:
+        tokenized = load_or_build(cfg.data, target.tokenizer)
+    return {**message[0], "tokenized": tokenized}
+
+
+def _tokenize_and_describe(cfg: RunConfig, target, layout: SplitLayout):
+    from dflash_train.data.cache import load_or_build
+    from dflash_train.data.loader import TrainData, pad_token_id
+
+    if not cfg.data.paths:
+        raise ValueError("data.paths is empty: pass your chat data, e.g. data.paths=[regenerated.jsonl]")
+    if target.tokenizer is None:
+        raise ValueError(
+            f"target {cfg.target.path} has no tokenizer; training needs one to apply the chat template."
+        )
+    tokenized = load_or_build(cfg.data, target.tokenizer)
+    shard0 = TrainData(
+        tokenized,
+        cfg.data,
+        seed=cfg.train.seed,
+        rank=0,
+        world_size=layout.num_drafter_ranks,
+        pad_id=pad_token_id(target.tokenizer),
+    )
+    return tokenized, {"steps_per_epoch": shard0.steps_per_epoch, "log_stats": shard0.log_stats()}
+
+
+def total_steps(cfg: RunConfig, steps_per_epoch: int) -> int:
+    total = cfg.train.max_steps or cfg.train.num_epochs * (steps_per_epoch // cfg.train.grad_accum)
+    if total < 1:
+        raise ValueError(
+            f"the data gives {steps_per_epoch} micro-batches per epoch per drafter rank, fewer than train.grad_accum={cfg.train.grad_accum}: add data, lower grad_accum or set train.max_steps."
+        )
+    return total
+
+
+class StreamPosition:
+    """The drafter's view of its data stream, which the target ranks read: position, epoch, stats.
+
+    Stands in for ``TrainData`` in ``trainer.Run`` (``state_dict``/``load_state_dict``/``epoch``/
+    ``log_stats``), so ``trainer.maybe_resume`` and checkpoints keep the colocated format: a split
+    checkpoint resumes colocated with world size D and vice versa.
+    """
+
+    def __init__(self, steps_per_epoch: int, stats: dict[str, float]):
+        self.steps_per_epoch, self.stats = steps_per_epoch, stats
+        self.micro, self.epoch = 0, 0
+
+    def advance(self, epoch: int) -> None:
+        self.micro, self.epoch = self.micro + 1, epoch
+
+    def state_dict(self) -> dict[str, int]:
+        return data_state(self.micro, self.steps_per_epoch)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state.get("steps_per_epoch", self.steps_per_epoch) != self.steps_per_epoch:
+            raise ValueError(
+                f"the data changed since the checkpoint: {state['steps_per_epoch']} steps per epoch then, {self.steps_per_epoch} now; restore the same data or start a new run"
+            )
+        self.micro = int(state["epoch"]) * self.steps_per_epoch + int(state["position"])
+        self.epoch = self.micro // self.steps_per_epoch
+
+    def log_stats(self) -> dict[str, float]:
+        return self.stats
+
+
+# ----------------------------------------------------------------------------- reports
+
+
+def report_step(cfg: RunConfig, done: int, total: int, stopping: bool) -> bool:
+    """Steps on which every rank reports to drafter rank 0 (logging or checkpoint steps)."""
+    return (
+        stopping
+        or done == total
+        or done % cfg.logging.every_steps == 0
+        or done % cfg.checkpoint.every_steps == 0
+    )
+
+
+def exchange_reports(layout: SplitLayout, report: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Every rank's report to drafter rank 0 (one ``gather_object`` over all ranks); None elsewhere."""
+    gathered = (
+        [None] * (layout.num_target_ranks + layout.num_drafter_ranks)
+        if layout.rank == layout.drafter_main
+        else None
+    )
+    dist.gather_object(report, gathered, dst=layout.drafter_main)
+    return gathered
+
+
+def split_metrics(reports: list[dict[str, Any]]) -> dict[str, float]:
+    """Busy fractions per group, queue depth, feature bytes/s and the bottleneck (1 target, 0 drafter).
+
+    Target busy = target forward time / (forward + waiting on sends + waiting on the step vote);
+    drafter busy = compute / (compute + waiting on receives). The side that waits less is the
+    bottleneck. Target windows lag the drafters' by ``lag`` steps (they run ahead).
+    """
+    targets = [r for r in reports if r["role"] == "target"]
+    drafters = [r for r in reports if r["role"] == "drafter"]
+    t_busy = sum(r["busy_s"] for r in targets)
+    t_total = t_busy + sum(r["send_wait_s"] + r["control_wait_s"] for r in targets)
+    d_busy = sum(r["busy_s"] for r in drafters)
+    d_total = d_busy + sum(r["recv_wait_s"] for r in drafters)
+    target_frac, drafter_frac = t_busy / max(t_total, 1e-9), d_busy / max(d_total, 1e-9)
+    posts = sum(r["depth_posts"] for r in targets)
+    return {
+        "split_target_busy_frac": target_frac,
+        "split_drafter_busy_frac": drafter_frac,
+        "split_target_send_wait_s": sum(r["send_wait_s"] for r in targets) / len(targets),
+        "split_drafter_recv_wait_s": sum(r["recv_wait_s"] for r in drafters) / len(drafters),
+        "split_queue_depth_mean": sum(r["depth_sum"] for r in targets) / max(posts, 1),
+        "split_queue_depth_max": max(r["depth_max"] for r in targets),
+        "split_feature_bytes_per_s": sum(r["bytes"] for r in drafters)
+        / max(max(r["seconds"] for r in drafters), 1e-9),
+        "split_bottleneck": 1.0 if target_frac >= drafter_frac else 0.0,
+    }
