@@ -139,6 +139,8 @@ class CheckpointConfig:
 
     every_steps: int = 1000
     keep_last: int = 2
+    # Write checkpoints on a background thread (the state is snapshotted first); false = inline.
+    async_write: bool = True
     # "auto" resumes from the newest committed checkpoint of output_dir, "never", or a path.
     resume: str = "auto"
     # Recipe knobs allowed to differ from the checkpoint's on resume (e.g. ["train.num_anchors"]).

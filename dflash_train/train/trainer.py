@@ -69,7 +69,8 @@ class Run:
     total_steps: int
     gamma: float
     step: int = 0
-    counters: dict[str, float] = field(default_factory=lambda: {"skipped_steps": 0, "tokens": 0.0})
+    counters: dict[str, float] = field(default_factory=lambda: {"skipped_steps": 0})
+    writer: ckpt.CheckpointWriter | None = None
 
 
 def run_training(recipe: str, overrides: list[str]) -> dict[str, Any]:
@@ -87,37 +88,18 @@ def train(cfg: RunConfig, hooks: TrainHooks | None = None) -> dict[str, Any]:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     info = init_distributed(cfg.train.device)
     run = build_run(cfg, info)
-    out_dir = Path(cfg.output_dir)
     logger = MetricsLogger(
-        out_dir,
+        Path(cfg.output_dir),
         cfg.logging,
         total_steps=run.total_steps,
         is_main=info.is_main,
         config_dict=cfg.to_dict(),
         start_step=run.step,
     )
-    timer = PhaseTimer(info.device)
-    metrics_sum, last_loss, saved = None, float("nan"), None
-    log_t0, log_step0 = time.perf_counter(), run.step
-    with GracefulStop() as stop, Watchdog(cfg.train.watchdog_s, out_dir / "watchdog-stacks.txt") as watchdog:
-        while run.step < run.total_steps:
-            watchdog.beat(run.step)
-            result = train_step(run, timer, hooks, stop_requested=lambda: stop.requested)
-            metrics_sum = add_metrics(metrics_sum, result["stats"])
-            stopping = result["stop"]  # agreed by all ranks inside the step
-            if run.step % cfg.logging.every_steps == 0 or run.step == run.total_steps or stopping:
-                row = log_metrics(
-                    run, result, metrics_sum, timer, time.perf_counter() - log_t0, run.step - log_step0
-                )
-                last_loss = row["loss"]
-                logger.log(run.step, row)
-                metrics_sum, log_t0, log_step0 = None, time.perf_counter(), run.step
-            logger.advance(run.step)
-            if stopping or run.step % cfg.checkpoint.every_steps == 0 or run.step == run.total_steps:
-                saved = save(run)
-            if stopping:
-                log_main(f"SIGTERM: saved {saved} at step {run.step}; exiting")
-                break
+    try:
+        last_loss, saved = train_loop(run, hooks, logger)
+    finally:
+        run.writer.close()  # the last checkpoint is committed before the export and the exit
     export = export_final(run) if run.step >= run.total_steps else None
     logger.close()
     return {
@@ -127,6 +109,34 @@ def train(cfg: RunConfig, hooks: TrainHooks | None = None) -> dict[str, Any]:
         "checkpoint": str(saved) if saved else None,
         "export": str(export) if export else None,
     }
+
+
+def train_loop(run: Run, hooks: TrainHooks, logger: MetricsLogger) -> tuple[float, Path | None]:
+    """Optimizer steps until done or a collective stop: step, log, save."""
+    cfg = run.cfg
+    timer = PhaseTimer(run.info.device)
+    metrics_sum, last_loss, saved = None, float("nan"), None
+    log_t0, log_step0 = time.perf_counter(), run.step
+    stacks = Path(cfg.output_dir) / "watchdog-stacks.txt"
+    with GracefulStop() as stop, Watchdog(cfg.train.watchdog_s, stacks) as watchdog:
+        while run.step < run.total_steps:
+            watchdog.beat(run.step)
+            result = train_step(run, timer, hooks, stop_requested=lambda: stop.requested)
+            metrics_sum = add_metrics(metrics_sum, result["stats"])
+            stopping = result["stop"]  # agreed by all ranks inside the step
+            if run.step % cfg.logging.every_steps == 0 or run.step == run.total_steps or stopping:
+                seconds = time.perf_counter() - log_t0
+                row = log_metrics(run, result, metrics_sum, timer, seconds, run.step - log_step0)
+                last_loss = row["loss"]
+                logger.log(run.step, row)
+                metrics_sum, log_t0, log_step0 = None, time.perf_counter(), run.step
+            logger.advance(run.step)
+            if stopping or run.step % cfg.checkpoint.every_steps == 0 or run.step == run.total_steps:
+                saved = save(run)
+            if stopping:
+                log_main(f"SIGTERM: saved {saved} at step {run.step}; exiting")
+                break
+    return last_loss, saved
 
 
 # ----------------------------------------------------------------------------- building
@@ -158,6 +168,7 @@ def build_run(cfg: RunConfig, info: DistInfo) -> Run:
         total_steps=total,
         gamma=gamma,
     )
+    run.writer = ckpt.CheckpointWriter(asynchronous=cfg.checkpoint.async_write)
     if info.is_main:
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         cfg.to_yaml(Path(cfg.output_dir) / "config.yaml")
@@ -465,7 +476,7 @@ def log_metrics(
 
 
 def save(run: Run) -> Path | None:
-    """Gather the full state from every rank; rank 0 writes it atomically."""
+    """Gather the full state from every rank; rank 0 writes it atomically (in the background)."""
     model_state = full_model_state(run.model)
     optim_state = full_optimizer_state(run.model, run.optimizer)
     path = None
@@ -478,7 +489,10 @@ def save(run: Run) -> Path | None:
             "counters": dict(run.counters),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
         }
-        path = ckpt.save_checkpoint(
+        if run.writer.pool is not None and run.info.device.type == "cpu":
+            # On CPU the gathered state aliases the live tensors; the writer thread needs a copy.
+            model_state, train_state = ckpt.snapshot(model_state), ckpt.snapshot(train_state)
+        path = run.writer.submit(
             run.cfg.output_dir,
             run.step,
             drafter_state=model_state,

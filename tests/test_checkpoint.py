@@ -1,0 +1,60 @@
+import pytest
+import torch
+
+from dflash_train.train import checkpoint as ckpt
+
+
+def write(out, step, writer=None, keep_last=2, value=0.0):
+    state = dict(
+        drafter_state={"w": torch.full((2,), value)},
+        drafter_config={"block_size": 4},
+        train_state={"step": step},
+        config_yaml="output_dir: x\n",
+        keep_last=keep_last,
+    )
+    return (writer or ckpt.CheckpointWriter(asynchronous=False)).submit(out, step, **state)
+
+
+def test_only_committed_folders_count_and_old_ones_are_pruned(tmp_path):
+    for step in (1, 2, 3):
+        write(tmp_path, step)
+    assert [p.name for p in ckpt.committed_checkpoints(tmp_path)] == ["step-00000002", "step-00000003"]
+    partial = ckpt.checkpoints_root(tmp_path) / "step-00000009"
+    partial.mkdir()  # a crash before the commit marker
+    assert ckpt.latest_checkpoint(tmp_path).name == "step-00000003"
+    with pytest.raises(ValueError, match="not a committed checkpoint"):
+        ckpt.load_checkpoint(partial)
+
+
+def test_async_writer_commits_and_surfaces_errors(tmp_path, monkeypatch):
+    writer = ckpt.CheckpointWriter(asynchronous=True)
+    path = write(tmp_path, 5, writer, value=3.0)
+    writer.wait()
+    assert ckpt.load_checkpoint(path)["drafter_state"]["w"].tolist() == [3.0, 3.0]
+
+    def disk_full(*args, **kwargs):
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", disk_full)
+    write(tmp_path, 6, writer)
+    with pytest.raises(OSError, match="No space left"):
+        writer.close()
+    assert ckpt.latest_checkpoint(tmp_path).name == "step-00000005"
+
+
+def test_snapshot_does_not_alias_live_tensors():
+    live = {"w": torch.zeros(3), "nested": {"m": torch.ones(2)}}
+    copy = ckpt.snapshot(live)
+    live["w"].add_(1)
+    live["nested"]["m"].mul_(5)
+    assert copy["w"].tolist() == [0.0, 0.0, 0.0] and copy["nested"]["m"].tolist() == [1.0, 1.0]
+
+
+def test_resume_compatibility_names_the_key_and_the_fix():
+    saved = {"drafter": {"block_size": 16}, "train": {"num_anchors": 512}}
+    now = {"drafter": {"block_size": 8}, "train": {"num_anchors": 512}}
+    with pytest.raises(
+        ValueError, match=r"drafter.block_size: checkpoint 16 -> now 8.*allow_changed=\[drafter.block_size\]"
+    ):
+        ckpt.check_resume_compatible(saved, now, [])
+    ckpt.check_resume_compatible(saved, now, ["drafter.block_size"])
