@@ -9,6 +9,7 @@ small all-reduce per step.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import random
@@ -170,13 +171,33 @@ def build_run(cfg: RunConfig, info: DistInfo) -> Run:
     )
     run.writer = ckpt.CheckpointWriter(asynchronous=cfg.checkpoint.async_write)
     if info.is_main:
-        Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-        cfg.to_yaml(Path(cfg.output_dir) / "config.yaml")
+        write_run_info(run)
     maybe_resume(run)
     log_main(
-        f"training: {total} steps, {sum(p.numel() for p in unwrap(model).parameters()) / 1e6:.1f}M drafter params, world {info.world_size}, device {info.device}, target kernels {getattr(target, 'kernels', {})}"
+        f"training: {total} steps, {sum(p.numel() for p in unwrap(model).parameters()) / 1e6:.1f}M drafter params, "
+        f"world {info.world_size}, device {info.device}, target kernels {target.kernels}"
     )
     return run
+
+
+def write_run_info(run: Run) -> None:
+    """The resolved recipe and the run's metadata (kernels bound, versions, world) in output_dir."""
+    import transformers
+
+    out = Path(run.cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    run.cfg.to_yaml(out / "config.yaml")
+    info = {
+        "target_kernels": run.target.kernels,
+        "target_layer_ids": run.target.target_layer_ids,
+        "drafter": run.draft_config.to_serving_dict(),
+        "drafter_params": sum(p.numel() for p in unwrap(run.model).parameters()),
+        "world_size": run.info.world_size,
+        "device": str(run.info.device),
+        "total_steps": run.total_steps,
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+    }
+    (out / "run_info.json").write_text(json.dumps(info, indent=2, default=str))
 
 
 def seed_everything(seed: int) -> None:
