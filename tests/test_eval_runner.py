@@ -229,3 +229,16 @@ def test_lossless_check_catches_a_different_output(tiny_qwen3_dir):
     divergence = describe_divergence(model, prompt, reference.tokens, corrupted, 0)
     assert divergence["position"] == 5 and divergence["reference_top2_gap"] >= 0
     assert summarize([bad], [reference], temperature=0.7, block_size=BLOCK)["lossless"] is None
+
+
+def test_a_request_without_rounds_does_not_pull_tau_below_one():
+    from dflash_train.eval.runner import summarize
+    from dflash_train.eval.speculative import Generation
+
+    ended_at_prefill = Generation(tokens=[7])  # immediate eos: no speculative round ran
+    drafted = Generation(tokens=[1, 2, 3, 4], num_drafted=[3], num_accepted=[2])
+    report = summarize(
+        [ended_at_prefill, drafted], [ended_at_prefill, drafted], temperature=0.0, block_size=4
+    )
+    assert report["tau"] == 3.0 and report["lossless"] is True
+    assert summarize([ended_at_prefill], [ended_at_prefill], 0.0, 4)["tau"] is None

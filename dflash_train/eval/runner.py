@@ -247,8 +247,10 @@ def summarize(
     mismatched = [
         i for i, (g, r) in enumerate(zip(generations, references, strict=True)) if g.tokens != r.tokens
     ]
+    # A request that ended right after prefill (e.g. immediate eos) had no round and has no tau.
+    with_rounds = [g for g in generations if g.num_rounds > 0]
     return {
-        "tau": sum(g.tau for g in generations) / max(len(generations), 1),
+        "tau": sum(g.tau for g in with_rounds) / len(with_rounds) if with_rounds else None,
         # Token-for-token equality is the lossless criterion at T = 0 only; sampled outputs differ by design.
         "lossless": (not mismatched) if temperature <= 0 else None,
         "mismatched_prompts": mismatched if temperature <= 0 else [],
