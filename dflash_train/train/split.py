@@ -33,7 +33,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from dflash_train.config import RunConfig, default_gamma
 from dflash_train.data.batching import Batch
@@ -42,10 +41,9 @@ from dflash_train.train import checkpoint as ckpt
 from dflash_train.train import trainer
 from dflash_train.train.faults import GracefulStop, Watchdog, any_rank_flags
 from dflash_train.train.logging import MetricsLogger, log_main, set_main_rank
-from dflash_train.train.loss import add_metrics, dflash_loss
+from dflash_train.train.loss import add_metrics
 from dflash_train.train.parallel import (
     DistInfo,
-    all_reduce_sum,
     full_model_state,
     full_optimizer_state,
     init_distributed,
@@ -358,16 +356,13 @@ def drafter_step(
     run: trainer.Run, ctx: DrafterContext, timer: PhaseTimer, hooks: SplitHooks, stop_requested: bool
 ) -> dict[str, Any]:
     """``trainer.train_step`` with received features and drafter-group reductions; same numbers."""
-    cfg, info = run.cfg, run.info
     received = receive_step(run, ctx, run.step)
     micro = []
     for _, batch in received:
         micro.append(trainer.prepare_micro_batch(run, batch, batch.epoch))
         run.data.advance(batch.epoch)
-    # The loss normalises by the weight of the whole optimizer step on every drafter rank.
-    denom = all_reduce_sum(torch.stack([m["weights"].sum() for m in micro]).sum(), ctx.group)
-    loss_total = torch.zeros((), device=info.device)
-    stats_sum, flops = None, 0
+    denom = trainer.step_denominator(micro, ctx.group)
+    loss_total, stats_sum, flops = torch.zeros((), device=run.info.device), None, 0
     pending = ctx.receiver.post_features(*received[0])
     for i, m in enumerate(micro):
         with timer.phase("target"):  # here: waiting for the features, not computing them
@@ -375,58 +370,19 @@ def drafter_step(
             features = pending[1]
         if i + 1 < len(micro):
             pending = ctx.receiver.post_features(*received[i + 1])  # prefetch while this one trains
-        with (
-            timer.phase("drafter"),
-            trainer.no_sync_unless_last(run.model, i == len(micro) - 1),
-            trainer.compute_precision(run),
-        ):
-            hidden = run.model(
-                features,
-                m["input_ids"],
-                m["anchors"],
-                m["keep"],
-                run.target.embed_tokens,
-                backend=trainer.resolve_backend(cfg, info),
-                sdpa_anchor_chunk=cfg.train.sdpa_anchor_chunk,
-            )
-            loss, stats = dflash_loss(
-                hidden.to(run.target.lm_head.weight.dtype),
-                run.target.lm_head.weight,
-                m["labels"],
-                m["label_valid"],
-                m["keep"],
-                gamma=run.gamma,
-                denom=denom,
-                chunk_tokens=cfg.train.loss_chunk_tokens,
-            )
-            # DDP/FSDP average over drafter ranks; the loss is already a global sum, so undo the mean.
-            (loss * info.world_size).backward()
-        loss_total += loss.detach()
+        last = i == len(micro) - 1
+        loss, stats = trainer.drafter_forward_backward(run, timer, m, features, denom, last)
+        loss_total += loss
         stats_sum = add_metrics(stats_sum, stats)
-        stats_sum["real_tokens"] = stats_sum.get("real_tokens", 0) + m["attention_mask"].sum()
         flops += trainer.step_flops(run, m)
-        del features, hidden
+        del features
     if hooks.after_backward:
         hooks.after_backward(run)
-    with timer.phase("optimizer"):
-        grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.train.clip_grad_norm)
-        if isinstance(grad_norm, DTensor):  # FSDP2: a replicated DTensor over the drafter mesh only
-            grad_norm = grad_norm.full_tensor()
-        loss_total = all_reduce_sum(loss_total, ctx.group)
-        bad = ~torch.isfinite(loss_total) | ~torch.isfinite(grad_norm)
-        # The one host sync of a step, over ALL ranks (targets vote too): non-finite, stop.
-        nonfinite, stop = any_rank_flags([bad, stop_requested], info.device)
-        if nonfinite:
-            run.optimizer.zero_grad(set_to_none=True)
-            trainer.handle_nonfinite(run, float(loss_total), float(grad_norm))
-        else:
-            run.optimizer.step()
-            run.optimizer.zero_grad(set_to_none=True)
-            run.scheduler.step()
-    run.step += 1
+    # The vote inside covers ALL ranks (the target ranks vote too); the loss sums over drafters only.
+    result = trainer.optimizer_update(run, timer, loss_total, stop_requested, group=ctx.group)
     if hooks.after_step:
         hooks.after_step(run)
-    return {"loss": loss_total, "grad_norm": grad_norm, "stats": stats_sum, "flops": flops, "stop": stop}
+    return {**result, "stats": stats_sum, "flops": flops}
 
 
 def drain(run: trainer.Run, ctx: DrafterContext) -> None:

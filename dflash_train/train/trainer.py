@@ -309,62 +309,89 @@ def train_step(
     run: Run, timer: PhaseTimer, hooks: TrainHooks, stop_requested=lambda: False
 ) -> dict[str, Any]:
     """One optimizer step over ``grad_accum`` micro-batches: features -> drafter fwd/bwd -> update."""
-    cfg, info = run.cfg, run.info
+    cfg = run.cfg
     micro = [
         prepare_micro_batch(run, batch, epoch)
         for batch, epoch in (run.data.next_batch() for _ in range(cfg.train.grad_accum))
     ]
-    # The loss normalises by the weight of the whole optimizer step on every rank.
-    denom = all_reduce_sum(torch.stack([m["weights"].sum() for m in micro]).sum())
-    loss_total = torch.zeros((), device=info.device)
-    stats_sum, flops = None, 0
+    denom = step_denominator(micro)
+    loss_total, stats_sum, flops = torch.zeros((), device=run.info.device), None, 0
     for i, m in enumerate(micro):
         with timer.phase("target"):
             # Right padding is invisible to a causal target at real tokens, and filler rows have an
             # all-false mask that could produce fully masked softmax rows: run without a mask.
             features = run.target.features(m["input_ids"], None)
-        with (
-            timer.phase("drafter"),
-            no_sync_unless_last(run.model, i == len(micro) - 1),
-            compute_precision(run),
-        ):
-            hidden = run.model(
-                features,
-                m["input_ids"],
-                m["anchors"],
-                m["keep"],
-                run.target.embed_tokens,
-                backend=resolve_backend(cfg, info),
-                sdpa_anchor_chunk=cfg.train.sdpa_anchor_chunk,
-            )
-            loss, stats = dflash_loss(
-                hidden.to(run.target.lm_head.weight.dtype),
-                run.target.lm_head.weight,
-                m["labels"],
-                m["label_valid"],
-                m["keep"],
-                gamma=run.gamma,
-                denom=denom,
-                chunk_tokens=cfg.train.loss_chunk_tokens,
-            )
-            # DDP/FSDP average gradients over ranks; the loss is already a global sum, so undo the mean.
-            (loss * info.world_size).backward()
-        loss_total += loss.detach()
+        loss, stats = drafter_forward_backward(run, timer, m, features, denom, last=i == len(micro) - 1)
+        loss_total += loss
         stats_sum = add_metrics(stats_sum, stats)
-        stats_sum["real_tokens"] = stats_sum.get("real_tokens", 0) + m["attention_mask"].sum()
         flops += step_flops(run, m)
-        del features, hidden
+        del features
     if hooks.after_backward:
         hooks.after_backward(run)
+    # SIGTERM is read here, at the end of the step, so a signal during step k stops after step k.
+    result = optimizer_update(run, timer, loss_total, stop_requested())
+    if hooks.after_step:
+        hooks.after_step(run)
+    return {**result, "stats": stats_sum, "flops": flops}
+
+
+def step_denominator(micro: list[dict[str, torch.Tensor]], group=None) -> torch.Tensor:
+    """Total loss weight of the optimizer step over every rank and micro-batch (stays on device)."""
+    return all_reduce_sum(torch.stack([m["weights"].sum() for m in micro]).sum(), group)
+
+
+def drafter_forward_backward(
+    run: Run,
+    timer: PhaseTimer,
+    m: dict[str, torch.Tensor],
+    features: torch.Tensor,
+    denom: torch.Tensor,
+    last: bool,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Drafter forward, one-pass LM-head loss and backward for one micro-batch; (loss, stats)."""
+    cfg = run.cfg
+    with timer.phase("drafter"), no_sync_unless_last(run.model, last), compute_precision(run):
+        hidden = run.model(
+            features,
+            m["input_ids"],
+            m["anchors"],
+            m["keep"],
+            run.target.embed_tokens,
+            backend=resolve_backend(cfg, run.info),
+            sdpa_anchor_chunk=cfg.train.sdpa_anchor_chunk,
+        )
+        loss, stats = dflash_loss(
+            hidden.to(run.target.lm_head.weight.dtype),
+            run.target.lm_head.weight,
+            m["labels"],
+            m["label_valid"],
+            m["keep"],
+            gamma=run.gamma,
+            denom=denom,
+            chunk_tokens=cfg.train.loss_chunk_tokens,
+        )
+        # DDP/FSDP average gradients over ranks; the loss is already a global sum, so undo the mean.
+        (loss * run.info.world_size).backward()
+    stats["real_tokens"] = m["attention_mask"].sum()
+    return loss.detach(), stats
+
+
+def optimizer_update(
+    run: Run, timer: PhaseTimer, loss_total: torch.Tensor, stop_requested: bool, group=None
+) -> dict[str, Any]:
+    """Clip, agree on every rank (non-finite? stop?), then step, skip or raise; advances ``run.step``.
+
+    ``group`` reduces the loss over the drafter ranks only (split placement); the vote is always
+    over every rank of the job.
+    """
     with timer.phase("optimizer"):
-        grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.train.clip_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.train.clip_grad_norm)
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor norm over the sharded gradients
             grad_norm = grad_norm.full_tensor()
-        loss_total = all_reduce_sum(loss_total)
-        # The one host sync of a step: every rank must agree before the update (non-finite, SIGTERM).
+        loss_total = all_reduce_sum(loss_total, group)
         bad = ~torch.isfinite(loss_total) | ~torch.isfinite(grad_norm)
-        # SIGTERM is read here, at the end of the step, so a signal during step k stops after step k.
-        nonfinite, stop = any_rank_flags([bad, stop_requested()], info.device)
+        # The one host sync of a step: every rank must agree before the update.
+        nonfinite, stop = any_rank_flags([bad, stop_requested], run.info.device)
         if nonfinite:
             run.optimizer.zero_grad(set_to_none=True)
             handle_nonfinite(run, float(loss_total), float(grad_norm))
@@ -373,9 +400,7 @@ def train_step(
             run.optimizer.zero_grad(set_to_none=True)
             run.scheduler.step()
     run.step += 1
-    if hooks.after_step:
-        hooks.after_step(run)
-    return {"loss": loss_total, "grad_norm": grad_norm, "stats": stats_sum, "flops": flops, "stop": stop}
+    return {"loss": loss_total, "grad_norm": grad_norm, "stop": stop}
 
 
 def handle_nonfinite(run: Run, loss: float, grad_norm: float) -> None:
