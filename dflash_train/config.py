@@ -130,6 +130,9 @@ class TrainConfig:
     nonfinite: Literal["stop", "skip"] = "stop"
     # Dump all stacks when one step takes longer than this many seconds (0 = off).
     watchdog_s: float = 1800.0
+    # Process-group timeout: a rank left waiting this long on a collective (a peer died) fails the
+    # job instead of hanging.
+    dist_timeout_s: float = 1800.0
     device: str = "auto"
 
 

@@ -260,7 +260,7 @@ def worker(spec: dict) -> None:
     from dflash_train.train import trainer
     from dflash_train.train.split import SplitHooks, train_split
 
-    cfg = load_config("tiny-cpu", spec["overrides"])
+    cfg = load_config("tiny-cpu", [*spec["overrides"], f"train.dist_timeout_s={spec.get('timeout', 60)}"])
     rank = int(os.environ.get("RANK", "0"))
 
     def request_stop(r: int, step: int) -> bool:
@@ -272,7 +272,6 @@ def worker(spec: dict) -> None:
 
     if spec["mode"] == "split":
         hooks = SplitHooks(
-            dist_timeout_s=spec.get("timeout", 60),
             request_stop=request_stop,
             before_target_forward=before_target_forward,
         )

@@ -59,6 +59,7 @@ def tiny_config(task, out_dir, *extra):
             "logging.every_steps=1",
             "logging.progress_bar=off",
             "checkpoint.every_steps=4",
+            "train.dist_timeout_s=120",  # a wedged 2-rank test fails in minutes, not half an hour
             *extra,
         ],
     )

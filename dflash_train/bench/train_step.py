@@ -102,14 +102,8 @@ def bench_config(args: argparse.Namespace):
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     """Time ``args.steps`` full train steps after ``args.warmup`` warm-up steps."""
     from dflash_train.models.target import load_target
-    from dflash_train.train.trainer import (
-        Run,
-        TrainHooks,
-        build_drafter,
-        build_optimizer,
-        build_scheduler,
-        train_step,
-    )
+    from dflash_train.train.builders import build_drafter, build_optimizer, build_scheduler
+    from dflash_train.train.trainer import Run, TrainHooks, train_step
 
     if args.preset not in BENCH_SHAPES:
         raise ValueError(f"--preset {args.preset!r}: use one of {list(BENCH_SHAPES)}")

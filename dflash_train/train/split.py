@@ -37,8 +37,8 @@ from torch import nn
 from dflash_train.config import RunConfig, default_gamma
 from dflash_train.data.batching import Batch
 from dflash_train.models.target import resolve_dtype
+from dflash_train.train import builders, trainer
 from dflash_train.train import checkpoint as ckpt
-from dflash_train.train import trainer
 from dflash_train.train.faults import GracefulStop, Watchdog, any_rank_flags
 from dflash_train.train.logging import MetricsLogger, log_main, set_main_rank
 from dflash_train.train.loss import add_metrics
@@ -65,14 +65,11 @@ from dflash_train.train.split_stream import (
 )
 from dflash_train.train.step_timer import PhaseTimer
 
-DEFAULT_DIST_TIMEOUT_S = 1800.0
-
 
 @dataclass
 class SplitHooks(trainer.TrainHooks):
-    """``TrainHooks`` plus split-only seams: process-group timeout, injected faults and stop votes."""
+    """``TrainHooks`` plus split-only seams: injected faults and stop votes."""
 
-    dist_timeout_s: float = DEFAULT_DIST_TIMEOUT_S
     # (global rank, step index) -> raise inside the target forward loop (tests a crashing rank).
     before_target_forward: Callable[[int, int], None] | None = None
     # (global rank, step index) -> True votes "stop" at that step, as a SIGTERM on that rank would.
@@ -89,15 +86,15 @@ def train_split(cfg: RunConfig, hooks: trainer.TrainHooks | None = None) -> dict
     SplitLayout.create(cfg.train.target_ranks, world, int(os.environ.get("RANK", "0")))  # fail before joining
     pipeline_depth(cfg.train.max_in_flight, cfg.train.grad_accum)
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    info = init_distributed(cfg.train.device, timeout_s=hooks.dist_timeout_s)
+    info = init_distributed(cfg.train.device, timeout_s=cfg.train.dist_timeout_s)
     layout = SplitLayout.create(cfg.train.target_ranks, info.world_size, info.rank)
-    timeout = datetime.timedelta(seconds=hooks.dist_timeout_s)
+    timeout = datetime.timedelta(seconds=cfg.train.dist_timeout_s)
     # new_group is collective: every rank calls it, target ranks included.
     drafter_group = dist.new_group(list(range(layout.num_target_ranks, info.world_size)), timeout=timeout)
     # The stream gets its own communicator: on NCCL a pending send would otherwise sit in front of
     # the step vote on the default group's stream, and the vote is what lets the receiver progress.
     stream_group = dist.new_group(list(range(info.world_size)), timeout=timeout)
-    trainer.seed_everything(cfg.train.seed)
+    builders.seed_everything(cfg.train.seed)
     previous = set_main_rank(layout.drafter_main)  # global rank 0 is a target rank: it has no metrics
     try:
         if layout.is_target:
@@ -116,7 +113,7 @@ def run_target_rank(
     """Read the drafters' shards, run the truncated target forward, stream; vote every step."""
     from dflash_train.data.loader import TrainData, pad_token_id
 
-    target = trainer.build_target(cfg, info)
+    target = builders.build_target(cfg, info)
     shared = share_data_info(cfg, layout, target)
     spe, total = shared["steps_per_epoch"], total_steps(cfg, shared["steps_per_epoch"])
     streams = [
@@ -205,7 +202,7 @@ def run_target_rank(
 
 @dataclass(frozen=True)
 class _UnwrappedInfo(DistInfo):
-    """``DistInfo`` that makes ``trainer.build_drafter`` return the bare module (wrapped per group later)."""
+    """``DistInfo`` that makes ``builders.build_drafter`` return the bare module (wrapped per group later)."""
 
     @property
     def distributed(self) -> bool:
@@ -243,11 +240,11 @@ def build_drafter_run(
         local_rank=info.local_rank,
         device=info.device,
     )
-    draft_config, drafter = trainer.build_drafter(cfg, head, _UnwrappedInfo(**vars(local)))
+    draft_config, drafter = builders.build_drafter(cfg, head, _UnwrappedInfo(**vars(local)))
     model = wrap_drafter(drafter, cfg.train.parallel, trainer.DTYPES[cfg.train.dtype], local, group=group)
-    optimizer = trainer.build_optimizer(model, cfg, local)
+    optimizer = builders.build_optimizer(model, cfg, local)
     total = total_steps(cfg, shared["steps_per_epoch"])
-    scheduler = trainer.build_scheduler(optimizer, cfg, total)
+    scheduler = builders.build_scheduler(optimizer, cfg, total)
     data = StreamPosition(shared["steps_per_epoch"], shared["log_stats"])
     gamma = cfg.train.gamma or default_gamma(cfg.drafter.block_size)
     run = trainer.Run(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import random
 import time
@@ -23,6 +22,15 @@ from torch import nn
 
 from dflash_train.config import RunConfig, default_gamma, load_config
 from dflash_train.train import checkpoint as ckpt
+from dflash_train.train.builders import (
+    DTYPES,
+    build_data,
+    build_drafter,
+    build_optimizer,
+    build_scheduler,
+    build_target,
+    seed_everything,
+)
 from dflash_train.train.faults import GracefulStop, Watchdog, any_rank_flags
 from dflash_train.train.flops import mfu, train_step_flops
 from dflash_train.train.logging import MetricsLogger, log_main
@@ -36,11 +44,8 @@ from dflash_train.train.parallel import (
     load_full_state,
     unwrap,
     uses_fsdp,
-    wrap_drafter,
 )
 from dflash_train.train.step_timer import PhaseTimer
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class NonFiniteError(RuntimeError):
@@ -87,7 +92,7 @@ def train(cfg: RunConfig, hooks: TrainHooks | None = None) -> dict[str, Any]:
         return train_split(cfg, hooks)
     hooks = hooks or TrainHooks()
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-    info = init_distributed(cfg.train.device)
+    info = init_distributed(cfg.train.device, timeout_s=cfg.train.dist_timeout_s)
     run = build_run(cfg, info)
     logger = MetricsLogger(
         Path(cfg.output_dir),
@@ -198,108 +203,6 @@ def write_run_info(run: Run) -> None:
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
     (out / "run_info.json").write_text(json.dumps(info, indent=2, default=str))
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def build_target(cfg: RunConfig, info: DistInfo):
-    from dflash_train.models.target import load_target
-
-    return load_target(cfg.target, info.device)
-
-
-def build_drafter(cfg: RunConfig, target, info: DistInfo):
-    """Resolve the drafter shape against the target, build it in fp32 (master weights) and wrap it."""
-    from dflash_train.models.drafter import DFlashDrafter
-    from dflash_train.models.presets import resolve_drafter_config
-    from dflash_train.models.target import validate_target_for_drafter
-
-    mask = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id >= 0 else None
-    if mask is None and cfg.drafter.preset in ("from-target", "tiny"):
-        mask = getattr(target.tokenizer, "mask_token_id", None)
-        if mask is None:
-            raise ValueError(
-                "the target tokenizer has no mask token: set drafter.mask_token_id to an unused embedding row (not pad/eos)."
-            )
-    draft_config = resolve_drafter_config(
-        cfg.drafter,
-        target.config,
-        target_layer_ids=target.target_layer_ids,
-        mask_token_id=mask,
-        torch_dtype=cfg.train.dtype,
-    )
-    validate_target_for_drafter(target, draft_config)
-    torch.manual_seed(cfg.train.seed)
-    drafter = DFlashDrafter(draft_config).to(info.device, torch.float32)
-    if cfg.drafter.init_from:
-        from dflash_train.models.export import load_drafter
-
-        loaded, _ = load_drafter(cfg.drafter.init_from, device="cpu", dtype=torch.float32)
-        drafter.load_state_dict(loaded.state_dict())
-    apply_compile_and_checkpointing(drafter, cfg)
-    model = wrap_drafter(drafter, cfg.train.parallel, DTYPES[cfg.train.dtype], info)
-    return draft_config, model
-
-
-def apply_compile_and_checkpointing(drafter: nn.Module, cfg: RunConfig) -> None:
-    """Per-layer activation checkpointing and torch.compile (main thread only, fixed shapes)."""
-    from torch.utils.checkpoint import checkpoint
-
-    for layer in drafter.layers:
-        if cfg.train.activation_checkpointing:
-            layer.forward = _checkpointed(layer.forward, checkpoint)
-        if cfg.train.compile:
-            layer.compile(dynamic=False)  # in place: keeps the serving tensor names
-
-
-def _checkpointed(fn, checkpoint):
-    def wrapped(*args, **kwargs):
-        return checkpoint(fn, *args, use_reentrant=False, **kwargs)
-
-    return wrapped
-
-
-def build_optimizer(model: nn.Module, cfg: RunConfig, info: DistInfo) -> torch.optim.Optimizer:
-    t = cfg.train
-    params = [p for p in model.parameters() if p.requires_grad]
-    fused = info.device.type == "cuda"
-    return torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay, fused=fused)
-
-
-def lr_multiplier(step: int, total: int, warmup_ratio: float, schedule: str, min_ratio: float) -> float:
-    """Linear warm-up, then cosine / linear decay to ``min_ratio`` (or constant)."""
-    warmup = max(1, round(warmup_ratio * total)) if warmup_ratio > 0 else 0
-    if step < warmup:
-        return (step + 1) / warmup
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    shape = 0.5 * (1 + math.cos(math.pi * progress)) if schedule == "cosine" else 1 - progress
-    return min_ratio + (1 - min_ratio) * shape
-
-
-def build_scheduler(optimizer, cfg: RunConfig, total: int):
-    t = cfg.train
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_multiplier(s, total, t.warmup_ratio, t.lr_schedule, t.min_lr_ratio)
-    )
-
-
-def build_data(cfg: RunConfig, target, info: DistInfo):
-    from dflash_train.data.loader import build_train_data
-
-    if not cfg.data.paths:
-        raise ValueError("data.paths is empty: pass your chat data, e.g. data.paths=[regenerated.jsonl]")
-    if target.tokenizer is None:
-        raise ValueError(
-            f"target {cfg.target.path} has no tokenizer; training needs one to apply the chat template."
-        )
-    return build_train_data(
-        cfg.data, target.tokenizer, seed=cfg.train.seed, rank=info.rank, world_size=info.world_size
-    )
 
 
 # ----------------------------------------------------------------------------- the step
