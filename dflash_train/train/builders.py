@@ -103,15 +103,20 @@ def build_scheduler(optimizer, cfg: RunConfig, total: int):
     )
 
 
-def build_data(cfg: RunConfig, target, info: DistInfo):
-    from dflash_train.data.loader import build_train_data
-
+def check_data_inputs(cfg: RunConfig, target) -> None:
+    """Training needs chat data and the target's tokenizer (for its chat template)."""
     if not cfg.data.paths:
         raise ValueError("data.paths is empty: pass your chat data, e.g. data.paths=[regenerated.jsonl]")
     if target.tokenizer is None:
         raise ValueError(
             f"target {cfg.target.path} has no tokenizer; training needs one to apply the chat template."
         )
+
+
+def build_data(cfg: RunConfig, target, info: DistInfo):
+    from dflash_train.data.loader import build_train_data
+
+    check_data_inputs(cfg, target)
     return build_train_data(
         cfg.data, target.tokenizer, seed=cfg.train.seed, rank=info.rank, world_size=info.world_size
     )

@@ -247,13 +247,9 @@ def share_data_info(cfg: RunConfig, layout: SplitLayout, target) -> dict[str, An
 def _tokenize_and_describe(cfg: RunConfig, target, layout: SplitLayout):
     from dflash_train.data.cache import load_or_build
     from dflash_train.data.loader import TrainData, pad_token_id
+    from dflash_train.train.builders import check_data_inputs
 
-    if not cfg.data.paths:
-        raise ValueError("data.paths is empty: pass your chat data, e.g. data.paths=[regenerated.jsonl]")
-    if target.tokenizer is None:
-        raise ValueError(
-            f"target {cfg.target.path} has no tokenizer; training needs one to apply the chat template."
-        )
+    check_data_inputs(cfg, target)
     tokenized = load_or_build(cfg.data, target.tokenizer)
     shard0 = TrainData(
         tokenized,
