@@ -332,3 +332,18 @@ def test_fla_causal_conv_is_not_bound_on_cpu(tiny_hybrid_dir):
     model, _ = target_mod.load_causal_lm(str(tiny_hybrid_dir), dtype="float32", device="cpu")
     assert not target_mod.bind_fla_causal_conv(model, "cpu")
     assert target_mod.bound_kernels(model)["causal_conv1d_fn"] == "torch"
+
+
+@pytest.mark.parametrize("fixture", ["tiny_hybrid_dir", "tiny_qwen3_dir"])
+def test_target_head_reads_only_embedding_and_lm_head(fixture, request):
+    from dflash_train.models.target import load_target_head
+
+    path = str(request.getfixturevalue(fixture))
+    cfg = TargetConfig(path=path, dtype="float32", target_layer_ids=[0, 2])
+    full = load_target(cfg, "cpu")
+    head = load_target_head(cfg, "cpu")
+    assert torch.equal(head.embed_tokens.weight, full.embed_tokens.weight)
+    assert torch.equal(head.lm_head.weight, full.lm_head.weight)
+    assert head.target_layer_ids == [0, 2] and head.num_layers == full.num_layers
+    assert len(head.decoder.layers) == 0 and head.tokenizer is not None
+    assert head.decoder.norm.weight.is_meta  # nothing but the two tensors was read

@@ -578,3 +578,71 @@ def load_target(
         num_layers = presets.text_config(model.config).num_hidden_layers
         layer_ids = resolve_target_layer_ids(cfg, num_layers, num_target_features)
     return FrozenTarget(model, tokenizer, layer_ids, kernels=kernels)
+
+
+# ----------------------------------------------------------------------------- head only
+
+EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
+LM_HEAD_KEYS = ("lm_head.weight",)
+
+
+def load_target_head(cfg: TargetConfig, device: str | torch.device) -> FrozenTarget:
+    """The target's config, tokenizer, input embedding and LM head, without its decoder weights.
+
+    Split placement's drafter ranks need only these; loading a 27B checkpoint whole would cost
+    ~54 GB of host memory per rank. For a local safetensors checkpoint the model is built on the
+    meta device and only the embedding and LM-head tensors are read; ``preset:``/``builtin:``
+    targets and other formats are loaded whole on the CPU first. The decoder's layer list is
+    emptied either way (``num_layers`` and ``target_layer_ids`` keep the real depth).
+    """
+    path = Path(cfg.path)
+    if cfg.path.startswith(("preset:", "builtin:")) or not any(path.glob("*.safetensors")):
+        target = load_target(cfg, "cpu")
+    else:
+        model = meta_text_model(cfg)
+        layer_ids = resolve_target_layer_ids(cfg, presets.text_config(model.config).num_hidden_layers, None)
+        target = FrozenTarget(model, load_tokenizer(cfg.path, cfg.trust_remote_code), layer_ids, kernels={})
+        load_head_tensors(path, target, resolve_dtype(cfg.dtype))
+    target.decoder.layers = nn.ModuleList()
+    target.embed_tokens.to(device)
+    target.lm_head.to(device)
+    return target
+
+
+def meta_text_model(cfg: TargetConfig) -> PreTrainedModel:
+    """The text causal LM of ``cfg.path`` with every parameter on the meta device (no memory)."""
+    config = AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
+    if config.model_type.startswith("qwen3_5") and getattr(config, "text_config", None) is not None:
+        config = qwen35_text_only(config)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(
+            config, dtype=resolve_dtype(cfg.dtype), trust_remote_code=cfg.trust_remote_code
+        )
+
+
+def load_head_tensors(path: Path, target: FrozenTarget, dtype: torch.dtype) -> None:
+    """Read only the embedding and LM-head tensors from the checkpoint's safetensors files."""
+    from safetensors import safe_open
+
+    where: dict[str, Path] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            where.update({key: file for key in f.keys() if key in EMBED_KEYS + LM_HEAD_KEYS})
+
+    def read(keys: tuple[str, ...]) -> torch.Tensor | None:
+        key = next((k for k in keys if k in where), None)
+        if key is None:
+            return None
+        with safe_open(where[key], framework="pt") as f:
+            return f.get_tensor(key).to(dtype)
+
+    embed = read(EMBED_KEYS)
+    if embed is None:
+        raise ValueError(f"{path}: no input embedding among {EMBED_KEYS} in its safetensors files.")
+    target.embed_tokens.weight = nn.Parameter(embed, requires_grad=False)
+    head = read(LM_HEAD_KEYS)
+    if head is None and not target.config.tie_word_embeddings:
+        raise ValueError(f"{path}: untied target without {LM_HEAD_KEYS[0]} in its safetensors files.")
+    target.lm_head.weight = (
+        target.embed_tokens.weight if head is None else nn.Parameter(head, requires_grad=False)
+    )

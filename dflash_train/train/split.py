@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from dflash_train.config import RunConfig, default_gamma
 from dflash_train.data.batching import Batch
@@ -211,12 +210,9 @@ class _UnwrappedInfo(DistInfo):
 
 def build_target_head(cfg: RunConfig, info: DistInfo):
     """The frozen target without decoder layers: drafter ranks need its embedding, LM head, config."""
-    from dflash_train.models.target import load_target
+    from dflash_train.models.target import load_target_head
 
-    target = load_target(cfg.target, "cpu")
-    target.decoder.layers = nn.ModuleList()  # only the decoder's layers are dropped; num_layers is kept
-    target.model.to(info.device)
-    return target
+    return load_target_head(cfg.target, info.device)
 
 
 @dataclass
