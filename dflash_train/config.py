@@ -174,6 +174,11 @@ class RunConfig:
     def __post_init__(self) -> None:
         validate(self)
 
+    @property
+    def loss_gamma(self) -> float:
+        """train.gamma, or the paper's value for drafter.block_size when it is 0."""
+        return self.train.gamma or default_gamma(self.drafter.block_size)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -6,7 +6,7 @@ from argparse import Namespace
 import pytest
 import yaml
 
-from dflash_train.cli import main
+from dflash_train.cli import build_parser, main
 from dflash_train.data.regen import run_regen
 from dflash_train.data.stats import run_data_stats
 
@@ -28,21 +28,10 @@ ROWS = [
 
 
 def regen_args(target, data, output, **overrides):
-    args = dict(
-        target=str(target),
-        data=[str(data)],
-        output=str(output),
-        max_new_tokens=4,
-        temperature=0.0,
-        batch_size=2,
-        thinking="default",
-        max_rows=0,
-        max_bad_rows=0,
-        engine="transformers",
-        device="cpu",
-        seed=0,
-    )
-    return Namespace(**(args | overrides))
+    """The CLI's parsed ``regen`` options (its defaults), small and CPU-only, plus ``overrides``."""
+    argv = ["regen", "--target", str(target), "--data", str(data), "--output", str(output)]
+    argv += ["--max-new-tokens", "4", "--batch-size", "2", "--engine", "transformers", "--device", "cpu"]
+    return Namespace(**(vars(build_parser().parse_args(argv)) | overrides))
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from dflash_train.config import default_gamma, load_config
+from dflash_train.config import load_config
 from dflash_train.models.presets import DRAFTER_PRESETS
 from dflash_train.train.flops import mfu, train_step_flops
 from dflash_train.train.parallel import DistInfo, pick_device
@@ -128,7 +128,6 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         scheduler=build_scheduler(optimizer, cfg, 1_000_000),
         data=data,
         total_steps=1_000_000,
-        gamma=default_gamma(draft_config.block_size),
     )
     timer = PhaseTimer(device)
     hooks = TrainHooks()

@@ -18,7 +18,6 @@ Everything lands in ``workdir``: ``data/`` (prompts, regenerated rows, token cac
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import random
@@ -258,22 +257,15 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 def regenerate(target_dir: Path, rows_path: Path, output: Path, settings: DemoSettings) -> dict[str, Any]:
     """Greedy target replies through ``dflash-train regen``'s own entry point."""
+    from dflash_train.cli import build_parser
     from dflash_train.data.regen import run_regen
 
-    args = argparse.Namespace(
-        target=str(target_dir),
-        data=[str(rows_path)],
-        output=str(output),
-        max_new_tokens=settings.reply_tokens,
-        temperature=0.0,
-        batch_size=settings.regen_batch_size,
-        thinking="default",
-        max_rows=0,
-        max_bad_rows=0,
-        engine="transformers",
-        device="cpu",
-        seed=0,
-    )
+    # The CLI's own parser fills every option the demo does not set with the CLI's default.
+    args = build_parser().parse_args(
+        ["regen", "--target", str(target_dir), "--data", str(rows_path), "--output", str(output),
+         "--max-new-tokens", str(settings.reply_tokens), "--batch-size", str(settings.regen_batch_size),
+         "--engine", "transformers", "--device", "cpu"]
+    )  # fmt: skip
     result = run_regen(args)
     say(
         f"regen: {result['rows_done']} replies of up to {settings.reply_tokens} tokens "

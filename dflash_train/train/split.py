@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dflash_train.config import RunConfig, default_gamma
+from dflash_train.config import RunConfig
 from dflash_train.data.batching import Batch
 from dflash_train.models.target import resolve_dtype
 from dflash_train.train import builders, trainer
@@ -242,7 +242,6 @@ def build_drafter_run(
     total = total_steps(cfg, shared["steps_per_epoch"])
     scheduler = builders.build_scheduler(optimizer, cfg, total)
     data = StreamPosition(shared["steps_per_epoch"], shared["log_stats"])
-    gamma = cfg.train.gamma or default_gamma(cfg.drafter.block_size)
     run = trainer.Run(
         cfg=cfg,
         info=local,
@@ -253,7 +252,6 @@ def build_drafter_run(
         scheduler=scheduler,
         data=data,
         total_steps=total,
-        gamma=gamma,
     )
     if local.is_main:
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)

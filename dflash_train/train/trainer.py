@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_train.config import RunConfig, default_gamma, load_config
+from dflash_train.config import RunConfig, load_config
 from dflash_train.train import checkpoint as ckpt
 from dflash_train.train.builders import (
     DTYPES,
@@ -73,10 +73,13 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     data: Any
     total_steps: int
-    gamma: float
     step: int = 0
     counters: dict[str, float] = field(default_factory=lambda: {"skipped_steps": 0})
     writer: ckpt.CheckpointWriter | None = None
+
+    @property
+    def gamma(self) -> float:
+        return self.cfg.loss_gamma
 
 
 def run_training(recipe: str, overrides: list[str]) -> dict[str, Any]:
@@ -161,7 +164,6 @@ def build_run(cfg: RunConfig, info: DistInfo) -> Run:
             f"the data gives {data.steps_per_epoch} micro-batches per epoch per rank, fewer than train.grad_accum={cfg.train.grad_accum}: add data, lower grad_accum or set train.max_steps."
         )
     scheduler = build_scheduler(optimizer, cfg, total)
-    gamma = cfg.train.gamma or default_gamma(cfg.drafter.block_size)
     run = Run(
         cfg=cfg,
         info=info,
@@ -172,7 +174,6 @@ def build_run(cfg: RunConfig, info: DistInfo) -> Run:
         scheduler=scheduler,
         data=data,
         total_steps=total,
-        gamma=gamma,
     )
     run.writer = ckpt.CheckpointWriter(asynchronous=cfg.checkpoint.async_write)
     if info.is_main:
