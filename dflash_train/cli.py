@@ -125,14 +125,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rows", type=int, default=1)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument(
-        "--target-layers",
-        type=int,
-        default=0,
-        help="build only this many target layers (0 = up to max feature layer)",
-    )
     p.add_argument("--attention-backend", choices=["auto", "flex", "sdpa"], default="auto")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compile the drafter layers, flex attention and loss kernel (default: on, off for tiny)",
+    )
+    p.add_argument(
+        "--target-compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compile the target's MLPs, norms and attention blocks (default: as --compile)",
+    )
+    p.add_argument(
+        "--profile", default="", help="after timing, profile one step and write a kernel table here"
+    )
     p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--loss-chunk-tokens", type=int, default=2048)
     p.add_argument(

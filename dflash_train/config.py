@@ -40,6 +40,9 @@ class TargetConfig:
     allow_slow_kernels: bool = False
     # Shard the frozen target with FSDP2 (forward only) when it does not fit next to the drafter.
     fsdp_shard: bool = False
+    # torch.compile the target's MLPs, norms and full-attention blocks for the training feature
+    # pass (CUDA only; GatedDeltaNet kernels stay fla's). Evaluation always runs it uncompiled.
+    compile: bool = False
     trust_remote_code: bool = False
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks on one H200 (torch 2.11, no network): logs go to $OUT (or ./gpu-logs).
-# Usage: scripts/gpu_checks.sh [checks|bench|all]   (fla-core wheels in .whl/, see docs/performance.md)
+# Usage: scripts/gpu_checks.sh [checks|bench|bench2|ablation|all]   (fla-core wheels in .whl/, see docs/performance.md)
 set -u
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 what=${1:-all}
@@ -30,6 +30,10 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   step bench_27b_full_flex 300 python3 -m dflash_train.cli bench --preset qwen3.6-27b --attention-backend flex --compile --json
   step bench_27b_drafter_8k 150 python3 -m dflash_train.cli bench --preset qwen3.6-27b --drafter-only --seq-len 8000 --num-anchors 1024 --json
   step bench_27b_full_32k 240 python3 -m dflash_train.cli bench --preset qwen3.6-27b --seq-len 32768 --num-anchors 2048 --steps 3 --json
+fi
+if [ "$what" = ablation ]; then
+  step ablation 420 python3 scripts/gpu_ablation.py
+  step gpu_tests 150 python3 -m pytest -q -x -m gpu tests
 fi
 if [ "$what" = bench2 ]; then
   step bench_27b_full_sdpa 200 python3 -m dflash_train.cli bench --preset qwen3.6-27b --attention-backend sdpa --no-compile --json

@@ -3,7 +3,8 @@ import subprocess
 import sys
 
 
-def test_tiny_bench_runs_on_cpu_and_reports_the_contract_keys():
+def test_tiny_bench_runs_on_cpu_and_reports_the_contract_keys(tmp_path):
+    profile = tmp_path / "profile.txt"
     cmd = [
         sys.executable,
         "-m",
@@ -17,6 +18,8 @@ def test_tiny_bench_runs_on_cpu_and_reports_the_contract_keys():
         "1",
         "--device",
         "cpu",
+        "--profile",
+        str(profile),
         "--json",
     ]
     out = subprocess.run(
@@ -30,4 +33,5 @@ def test_tiny_bench_runs_on_cpu_and_reports_the_contract_keys():
     for key in ("tokens_per_s", "mfu", "step_s", "peak_mem_gb", "target_s", "drafter_s"):
         assert key in result
     assert result["tokens_per_s"] > 0 and result["block_size"] == 8 and result["num_anchors"] == 32
+    assert "Self CPU" in profile.read_text()  # the kernel table of one profiled step
     assert result["tflop_per_step"] > 0 and result["target_kernels"]["chunk_gated_delta_rule"] == "torch"

@@ -113,3 +113,21 @@ def test_block_targets_are_same_position_labels():
     assert valid.tolist() == [
         [[True, True, True], [True, False, False]]
     ]  # 9 is a prompt token, 10 is out of bounds
+
+
+@pytest.mark.gpu
+def test_compiled_chunk_terms_match_the_naive_loss_on_cuda():
+    h, w, labels, valid, keep = (t.cuda() for t in make_case(rows=3, anchors=40, block=8, vocab=3000))
+    h = h.detach().requires_grad_(True)
+    denom = loss_weights(keep, valid, 7.0).sum()
+    results = []
+    for fused in (False, True):
+        loss, stats = dflash_loss(
+            h, w, labels, valid, keep, gamma=7.0, denom=denom, chunk_tokens=50, fused=fused
+        )
+        (grad,) = torch.autograd.grad(loss, h)
+        results.append((loss, grad, stats["top1"], stats["label_prob"]))
+    ref = naive_dflash_loss(h, w, labels, valid, keep, gamma=7.0, denom=denom)
+    torch.testing.assert_close(results[1][0], ref, rtol=1e-5, atol=1e-6)
+    for eager, fused in zip(results[0], results[1], strict=True):
+        torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-6)

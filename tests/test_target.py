@@ -347,3 +347,26 @@ def test_target_head_reads_only_embedding_and_lm_head(fixture, request):
     assert head.target_layer_ids == [0, 2] and head.num_layers == full.num_layers
     assert len(head.decoder.layers) == 0 and head.tokenizer is not None
     assert head.decoder.norm.weight.is_meta  # nothing but the two tensors was read
+
+
+def test_compile_target_regions_leaves_the_fla_token_mixer_eager():
+    from dflash_train.models import target as target_mod
+
+    model = target_mod.build_preset_target("tiny-hybrid", dtype=torch.float32, device="cpu")
+    names = target_mod.compile_target_regions(model)  # lazy: nothing compiles until a forward
+    kinds = {name.split(".", 2)[2] for name in names}
+    assert kinds == {"input_layernorm", "post_attention_layernorm", "mlp", "self_attn", "linear_attn.norm"}
+    assert len(names) == 4 * len(model.get_decoder().layers)
+
+
+@pytest.mark.gpu
+def test_compiled_target_regions_give_the_same_features_on_cuda():
+    from dflash_train.models import target as target_mod
+
+    model = target_mod.build_preset_target("tiny-hybrid", dtype=torch.bfloat16, device="cuda")
+    target_mod.bind_fla_causal_conv(model, "cuda")
+    ids = torch.randint(0, 300, (2, 128), device="cuda")
+    reference = FrozenTarget(model, None, [0, 2, 3]).features(ids)
+    target_mod.compile_target_regions(model)
+    compiled = FrozenTarget(model, None, [0, 2, 3]).features(ids)
+    assert ((compiled.float() - reference.float()).norm() / reference.float().norm()) < 1e-2

@@ -76,9 +76,12 @@ def bench_config(args: argparse.Namespace):
     seq_len = args.seq_len or seq_len
     anchors = args.num_anchors or anchors
     tiny = args.preset == "tiny"
+    compile_drafter = args.compile if args.compile is not None else not tiny
+    compile_target = args.target_compile if args.target_compile is not None else compile_drafter
     overrides = [
         f"target.path=preset:{target_preset}",
         f"target.dtype={'float32' if tiny else 'bfloat16'}",
+        f"target.compile={str(compile_target).lower()}",
         f"drafter.preset={drafter_preset}",
         f"drafter.block_size={block_size}",
         f"train.num_anchors={anchors}",
@@ -86,7 +89,7 @@ def bench_config(args: argparse.Namespace):
         f"train.attention_backend={args.attention_backend}",
         f"train.activation_checkpointing={str(args.activation_checkpointing).lower()}",
         f"train.loss_chunk_tokens={args.loss_chunk_tokens}",
-        f"train.compile={str(args.compile if args.compile is not None else not tiny).lower()}",
+        f"train.compile={str(compile_drafter).lower()}",
         f"data.seq_buckets=[{seq_len}]",
         f"data.token_budget={seq_len * args.rows}",
         "train.max_steps=1000000",
@@ -100,25 +103,60 @@ def bench_config(args: argparse.Namespace):
 
 
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
-    """Time ``args.steps`` full train steps after ``args.warmup`` warm-up steps."""
-    from dflash_train.models.target import load_target
-    from dflash_train.train.builders import build_drafter, build_optimizer, build_scheduler
-    from dflash_train.train.trainer import Run, TrainHooks, train_step
-
+    """Build the bench run, time ``args.steps`` full train steps after ``args.warmup`` warm-up steps."""
     if args.preset not in BENCH_SHAPES:
         raise ValueError(f"--preset {args.preset!r}: use one of {list(BENCH_SHAPES)}")
     cfg, seq_len, anchors = bench_config(args)
-    device = pick_device(args.device)
+    run = build_bench_run(cfg, args.rows, seq_len, pick_device(args.device), drafter_only=args.drafter_only)
+    result = time_train_steps(run, args.steps, args.warmup)
+    if args.profile:
+        profile_train_step(run, args.profile)
+    flops = train_step_flops(
+        run.target.config, run.draft_config, seq_len=seq_len, num_anchors=anchors, rows=args.rows
+    )
+    if args.drafter_only:
+        flops["total"] -= flops["target"]
+    device = run.info.device
+    return {
+        "preset": args.preset,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "seq_len": seq_len,
+        "rows": args.rows,
+        "num_anchors": anchors,
+        "block_size": run.draft_config.block_size,
+        "drafter_only": bool(args.drafter_only),
+        "attention_backend": "flex"
+        if (args.attention_backend == "auto" and device.type == "cuda")
+        else (args.attention_backend if args.attention_backend != "auto" else "sdpa"),
+        "compile": cfg.train.compile,
+        "target_compile": cfg.target.compile,
+        "activation_checkpointing": cfg.train.activation_checkpointing,
+        "tokens_per_s": args.rows * seq_len / result["step_s"],
+        "samples_per_s": args.rows / result["step_s"],
+        **result,
+        "tflop_per_step": flops["total"] / 1e12,
+        "mfu": mfu(flops["total"], result["step_s"]),
+        "target_kernels": run.target.kernels,
+        "torch": torch.__version__,
+    }
+
+
+def build_bench_run(cfg, rows: int, seq_len: int, device: torch.device, *, drafter_only: bool = False):
+    """Target (truncated to its feature layers), drafter, optimizer and synthetic data on ``device``."""
+    from dflash_train.models.target import load_target
+    from dflash_train.train.builders import build_drafter, build_optimizer, build_scheduler
+    from dflash_train.train.trainer import Run
+
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
     torch.manual_seed(0)
-    target = load_target(cfg.target, device, truncate_unused_layers=True)
+    target = load_target(cfg.target, device, truncate_unused_layers=True, compile_regions=cfg.target.compile)
     draft_config, model = build_drafter(cfg, target, info)
     optimizer = build_optimizer(model, cfg, info)
-    data = SyntheticData(args.rows, seq_len, target.vocab_size, device)
-    if args.drafter_only:
+    data = SyntheticData(rows, seq_len, target.vocab_size, device)
+    if drafter_only:
         features = target.features(data.batch.input_ids, data.batch.attention_mask)
         target.features = lambda ids, mask: features  # time the drafter side alone
-    run = Run(
+    return Run(
         cfg=cfg,
         info=info,
         target=target,
@@ -129,52 +167,53 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         data=data,
         total_steps=1_000_000,
     )
+
+
+def time_train_steps(run, steps: int, warmup: int) -> dict[str, float]:
+    """Mean wall time of ``steps`` train steps after ``warmup`` untimed ones, its phase split and
+    the peak memory of the timed steps."""
+    from dflash_train.train.trainer import TrainHooks, train_step
+
+    device = run.info.device
     timer = PhaseTimer(device)
     hooks = TrainHooks()
-    for _ in range(args.warmup):
+    for _ in range(warmup):
         train_step(run, timer, hooks)
     _sync(device)
     timer.collect()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    for _ in range(args.steps):
+    for _ in range(steps):
         result = train_step(run, timer, hooks)
     _sync(device)
-    elapsed = time.perf_counter() - t0
+    step_s = (time.perf_counter() - t0) / steps
     phases = timer.collect()
-    step_s = elapsed / args.steps
-    flops = train_step_flops(
-        target.config, draft_config, seq_len=seq_len, num_anchors=anchors, rows=args.rows
-    )
-    if args.drafter_only:
-        flops["total"] -= flops["target"]
-    tokens = args.rows * seq_len
     return {
-        "preset": args.preset,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "seq_len": seq_len,
-        "rows": args.rows,
-        "num_anchors": anchors,
-        "block_size": draft_config.block_size,
-        "drafter_only": bool(args.drafter_only),
-        "attention_backend": "flex"
-        if (args.attention_backend == "auto" and device.type == "cuda")
-        else (args.attention_backend if args.attention_backend != "auto" else "sdpa"),
-        "compile": cfg.train.compile,
-        "tokens_per_s": tokens / step_s,
-        "samples_per_s": args.rows / step_s,
         "step_s": step_s,
-        "target_s": phases.get("target", 0.0) / args.steps,
-        "drafter_s": phases.get("drafter", 0.0) / args.steps,
-        "optimizer_s": phases.get("optimizer", 0.0) / args.steps,
-        "tflop_per_step": flops["total"] / 1e12,
-        "mfu": mfu(flops["total"], step_s),
+        "target_s": phases.get("target", 0.0) / steps,
+        "drafter_s": phases.get("drafter", 0.0) / steps,
+        "optimizer_s": phases.get("optimizer", 0.0) / steps,
         "peak_mem_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0,
         "loss": float(result["loss"]),
-        "target_kernels": target.kernels,
-        "torch": torch.__version__,
     }
+
+
+def profile_train_step(run, path: str, rows: int = 40) -> None:
+    """Profile one train step and write the ``rows`` most expensive kernels/ops as a text table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dflash_train.train.trainer import TrainHooks, train_step
+
+    device = run.info.device
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        train_step(run, PhaseTimer(device), TrainHooks())
+        _sync(device)
+    sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=90)
+    with open(path, "w") as f:
+        f.write(table)
 
 
 def _sync(device: torch.device) -> None:

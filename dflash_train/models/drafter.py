@@ -230,8 +230,14 @@ class DFlashDrafter(nn.Module):
         return F.embedding(ids, embed_tokens.weight.detach()).to(self.dtype)
 
     def project_context(self, features: Tensor) -> Tensor:
-        """Target features [R, L, n*H] -> ctx [R, L, H] = hidden_norm(fc(features))."""
-        return self.hidden_norm(self.fc(features.to(self.dtype)))
+        """Target features [R, L, n*H] -> ctx [R, L, H] = hidden_norm(fc(features)).
+
+        Under autocast ``fc`` takes the bf16 features as they are (casting them to the fp32 master
+        dtype first would only write an fp32 copy that autocast casts straight back).
+        """
+        if not torch.is_autocast_enabled(features.device.type):
+            features = features.to(self.dtype)
+        return self.hidden_norm(self.fc(features))
 
     # -- training ---------------------------------------------------------------------------------
 
@@ -250,15 +256,13 @@ class DFlashDrafter(nn.Module):
         sdpa_anchor_chunk: int = 64,
         *,
         sdpa_trim_context: bool = False,
-        compile_block_mask: bool = False,
     ) -> Tensor:
         """All blocks of a micro-batch at once -> hidden [R, A, B, H] after the final norm.
 
         features [R, L, n*H], input_ids [R, L], anchors [R, A] (0 <= a < L where keep), keep [R, A].
         Padded anchors (keep=0) are moved to position 0: their outputs are don't-care but finite.
         ``backend`` "flex" or "sdpa" (chunks of ``sdpa_anchor_chunk`` anchors; ``sdpa_trim_context``
-        trades fixed shapes for fewer FLOPs, see masks.ChunkedSdpaAttention); ``compile_block_mask``
-        uses the compiled BlockMask builder (see masks.build_flex_block_mask).
+        trades fixed shapes for fewer FLOPs, see masks.ChunkedSdpaAttention).
         """
         num_rows, seq_len = input_ids.shape
         size = self.config.block_size
@@ -276,7 +280,6 @@ class DFlashDrafter(nn.Module):
             self.mask_specs,
             sdpa_anchor_chunk=sdpa_anchor_chunk,
             sdpa_trim_context=sdpa_trim_context,
-            compile_block_mask=compile_block_mask,
         )
         for layer, layer_type in zip(self.layers, self.config.layer_types, strict=True):
             hidden = layer(hidden, context, block_rope, context_rope, attends[layer_type])

@@ -538,18 +538,45 @@ def resolve_target_layer_ids(
     return check_layer_ids(cfg.target_layer_ids, num_layers)
 
 
+def compile_target_regions(model: nn.Module) -> list[str]:
+    """torch.compile the pure-PyTorch regions of every decoder layer, in place; returns their names.
+
+    Regional compilation: each layer's MLP, RMSNorms and (full) attention block is compiled on its
+    own, so the layers of one class share a single compiled graph per input shape, and the
+    GatedDeltaNet token mixer keeps calling fla's Triton kernels eagerly (only its gated output
+    norm is compiled). What this fuses is the elementwise work around the matmuls (SwiGLU, fp32
+    norms, q/k norms, RoPE, the attention output gate), which HF runs as separate kernels.
+    """
+    decoder = model.get_decoder()
+    compiled = []
+    for index, layer in enumerate(decoder.layers):
+        for name, child in layer.named_children():
+            if type(child).__name__.endswith("GatedDeltaNet"):
+                regions = [
+                    (f"{name}.{n}", c) for n, c in child.named_children() if "Norm" in type(c).__name__
+                ]
+            else:
+                regions = [(name, child)]
+            for region_name, region in regions:
+                region.compile(dynamic=False)
+                compiled.append(f"layers.{index}.{region_name}")
+    return compiled
+
+
 def load_target(
     cfg: TargetConfig,
     device: str | torch.device,
     *,
     num_target_features: int | None = None,
     truncate_unused_layers: bool = False,
+    compile_regions: bool = False,
 ) -> FrozenTarget:
     """Load, freeze and check the target of ``cfg`` on ``device``.
 
     Feature layers are ``cfg.target_layer_ids`` or the DFlash default. ``truncate_unused_layers``
     (benchmarks) builds a ``preset:`` target only up to ``max(target_layer_ids)``; a checkpoint is
-    always loaded whole because eval and regeneration need every layer.
+    always loaded whole because eval and regeneration need every layer. ``compile_regions`` (the
+    training feature pass, ``target.compile``) applies ``compile_target_regions`` on CUDA.
     """
     device = torch.device(device)
     dtype = resolve_dtype(cfg.dtype)
@@ -577,6 +604,8 @@ def load_target(
     if layer_ids is None:
         num_layers = presets.text_config(model.config).num_hidden_layers
         layer_ids = resolve_target_layer_ids(cfg, num_layers, num_target_features)
+    if compile_regions and device.type == "cuda":
+        compile_target_regions(model)
     return FrozenTarget(model, tokenizer, layer_ids, kernels=kernels)
 
 

@@ -23,7 +23,7 @@ def seed_everything(seed: int) -> None:
 def build_target(cfg: RunConfig, info: DistInfo):
     from dflash_train.models.target import load_target
 
-    return load_target(cfg.target, info.device)
+    return load_target(cfg.target, info.device, compile_regions=cfg.target.compile)
 
 
 def build_drafter(cfg: RunConfig, target, info: DistInfo):

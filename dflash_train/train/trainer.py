@@ -273,6 +273,7 @@ def drafter_forward_backward(
             gamma=run.gamma,
             denom=denom,
             chunk_tokens=cfg.train.loss_chunk_tokens,
+            fused=cfg.train.compile and run.info.device.type == "cuda",
         )
         # DDP/FSDP average gradients over ranks; the loss is already a global sum, so undo the mean.
         (loss * run.info.world_size).backward()
