@@ -2,6 +2,7 @@
 
 Builds the bench run once (random weights, target truncated to its feature layers) and measures:
   step        full train steps, target uncompiled, then with compile_target_regions, then 2 rows
+  shapes      32K and 64K rows (64K also with activation checkpointing), drafter-only 8,000 tokens
   profile     one profiled step per variant (kernel tables under $OUT)
   loss        the chunked LM-head loss fwd+bwd at 7,680 scored tokens: eager vs compiled chunk terms
   mask        BlockMask builds: analytic vs create_block_mask, full and sliding layers
@@ -170,7 +171,60 @@ def section_flex(args) -> None:
         record("flex", mode, fwd_bwd_ms=round(cuda_ms(fwd_bwd), 2), first_call_s=round(first, 1))
 
 
-SECTIONS = {"step": section_step, "loss": section_loss, "mask": section_mask, "flex": section_flex}
+def section_shapes(args) -> None:
+    """Long rows on one shared target: 32K (the previous system's shape), then 64K without and with
+    activation checkpointing, then the drafter-only 8,000-token row; each OOM is recorded."""
+    from dflash_train.bench.train_step import bench_config, build_bench_run, time_train_steps
+    from dflash_train.models.target import load_target
+
+    deadline = time.perf_counter() + args.shapes_budget_s
+    cfg, _, _ = bench_config(bench_args(4096, 512))
+    target = load_target(cfg.target, torch.device("cuda"), truncate_unused_layers=True, compile_regions=True)
+    shapes = [
+        (32768, 2048, False, False),
+        (65536, 4096, False, False),
+        (65536, 4096, True, False),
+        (8000, 1024, False, True),
+    ]
+    for seq_len, anchors, checkpointing, drafter_only in shapes:
+        name = f"1x{seq_len}/{anchors}{' ckpt' if checkpointing else ''}{' drafter-only' if drafter_only else ''}"
+        if time.perf_counter() > deadline:
+            record("shapes", name, skipped="time budget")
+            continue
+        shape_args = bench_args(seq_len, anchors)
+        shape_args.activation_checkpointing = checkpointing
+        cfg, _, _ = bench_config(shape_args)
+        run = None
+        try:
+            t0 = time.perf_counter()
+            torch.cuda.reset_peak_memory_stats()
+            run = build_bench_run(
+                cfg, 1, seq_len, torch.device("cuda"), drafter_only=drafter_only, target=target
+            )
+            result = time_train_steps(run, 2, 1)
+            record(
+                "shapes",
+                name,
+                tokens_per_s=round(seq_len / result["step_s"]),
+                wall_s=round(time.perf_counter() - t0, 1),
+                **result,
+            )
+        except torch.OutOfMemoryError as exc:
+            record("shapes", name, oom=str(exc)[:200], peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9)
+        finally:
+            if run is not None and drafter_only:
+                del run.target.features  # the instance attribute the drafter-only bench set
+            del run
+            torch.cuda.empty_cache()
+
+
+SECTIONS = {
+    "step": section_step,
+    "shapes": section_shapes,
+    "loss": section_loss,
+    "mask": section_mask,
+    "flex": section_flex,
+}
 
 
 def main() -> None:
@@ -180,6 +234,7 @@ def main() -> None:
     parser.add_argument("--num-anchors", type=int, default=512)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--shapes-budget-s", type=float, default=330.0)
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     for name in args.only.split(","):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks on one H200 (torch 2.11, no network): logs go to $OUT (or ./gpu-logs).
-# Usage: scripts/gpu_checks.sh [checks|bench|bench2|ablation|all]   (fla-core wheels in .whl/, see docs/performance.md)
+# Usage: scripts/gpu_checks.sh [checks|bench|bench2|ablation|shapes|all]   (fla-core wheels in .whl/, see docs/performance.md)
 set -u
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 what=${1:-all}
@@ -34,6 +34,9 @@ fi
 if [ "$what" = ablation ]; then
   step ablation 420 python3 scripts/gpu_ablation.py
   step gpu_tests 150 python3 -m pytest -q -x -m gpu tests
+fi
+if [ "$what" = shapes ]; then
+  step shapes 560 python3 scripts/gpu_ablation.py --only shapes
 fi
 if [ "$what" = bench2 ]; then
   step bench_27b_full_sdpa 200 python3 -m dflash_train.cli bench --preset qwen3.6-27b --attention-backend sdpa --no-compile --json

@@ -141,15 +141,21 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def build_bench_run(cfg, rows: int, seq_len: int, device: torch.device, *, drafter_only: bool = False):
-    """Target (truncated to its feature layers), drafter, optimizer and synthetic data on ``device``."""
+def build_bench_run(
+    cfg, rows: int, seq_len: int, device: torch.device, *, drafter_only: bool = False, target=None
+):
+    """Target (truncated to its feature layers; or ``target`` reused), drafter, optimizer and
+    synthetic data on ``device``."""
     from dflash_train.models.target import load_target
     from dflash_train.train.builders import build_drafter, build_optimizer, build_scheduler
     from dflash_train.train.trainer import Run
 
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
     torch.manual_seed(0)
-    target = load_target(cfg.target, device, truncate_unused_layers=True, compile_regions=cfg.target.compile)
+    if target is None:
+        target = load_target(
+            cfg.target, device, truncate_unused_layers=True, compile_regions=cfg.target.compile
+        )
     draft_config, model = build_drafter(cfg, target, info)
     optimizer = build_optimizer(model, cfg, info)
     data = SyntheticData(rows, seq_len, target.vocab_size, device)
