@@ -38,7 +38,8 @@ class TargetConfig:
     # GatedDeltaNet targets on CUDA must run the fla kernels; set true to accept the ~3x slower
     # PyTorch fallback (a loud warning is printed once).
     allow_slow_kernels: bool = False
-    # Shard the frozen target with FSDP2 (forward only) when it does not fit next to the drafter.
+    # Sharding the frozen target (FSDP2, forward only) is not implemented: true is refused with a
+    # pointer to train.placement=split, which gives the target GPUs of its own.
     fsdp_shard: bool = False
     # torch.compile the target's MLPs, norms and full-attention blocks for the training feature
     # pass (CUDA only; GatedDeltaNet kernels stay fla's). Evaluation always runs it uncompiled.
@@ -233,6 +234,12 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(f"train.betas={t.betas}: give two numbers, e.g. [0.9, 0.95].")
     if t.grad_accum < 1 or t.num_epochs < 1 or t.max_steps < 0:
         raise ValueError("train.grad_accum and train.num_epochs must be >= 1, train.max_steps >= 0.")
+    if cfg.target.fsdp_shard:
+        raise ValueError(
+            "target.fsdp_shard=true: sharding the target is not implemented. A 27B bf16 target (54 GB) fits "
+            "next to the drafter's training state on one 141 GB GPU; for a larger target use "
+            "train.placement=split with train.target_ranks=N so the target gets GPUs of its own."
+        )
     if t.placement == "split" and t.target_ranks < 1:
         raise ValueError(
             "train.placement=split needs train.target_ranks >= 1 (the number of ranks that run only the target)."

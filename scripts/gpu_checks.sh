@@ -26,10 +26,9 @@ if [ "$what" = checks ] || [ "$what" = all ]; then
   step bench_tiny_cuda 120 python3 -m dflash_train.cli bench --preset tiny --device cuda --steps 3 --json
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
-  step conv_check 90 python3 scripts/gpu_conv_check.py
-  step bench_27b_full_flex 300 python3 -m dflash_train.cli bench --preset qwen3.6-27b --attention-backend flex --compile --json
-  step bench_27b_drafter_8k 150 python3 -m dflash_train.cli bench --preset qwen3.6-27b --drafter-only --seq-len 8000 --num-anchors 1024 --json
-  step bench_27b_full_32k 240 python3 -m dflash_train.cli bench --preset qwen3.6-27b --seq-len 32768 --num-anchors 2048 --steps 3 --json
+  step bench_27b_4k 200 python3 -m dflash_train.cli bench --preset qwen3.6-27b --profile "$OUT/profile_4k.txt" --json
+  step bench_27b_128k_ckpt 230 python3 -m dflash_train.cli bench --preset qwen3.6-27b --seq-len 131072 --num-anchors 8192 --activation-checkpointing --steps 2 --warmup 1 --json
+  step bench_27b_4k_rows2 160 python3 -m dflash_train.cli bench --preset qwen3.6-27b --rows 2 --steps 4 --json
 fi
 if [ "$what" = ablation ]; then
   step ablation 420 python3 scripts/gpu_ablation.py

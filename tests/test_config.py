@@ -55,6 +55,8 @@ def test_cross_field_errors_say_how_to_fix():
         load_config("tiny-cpu", ["checkpoint.keep_last=1"])
     with pytest.raises(ValueError, match="ascending"):
         load_config("tiny-cpu", ["data.seq_buckets=[256,128]"])
+    with pytest.raises(ValueError, match="not implemented.*train.placement=split"):
+        load_config("tiny-cpu", ["target.fsdp_shard=true"])
     with pytest.raises(ValueError, match="required key 'output_dir'"):
         load_config(base={"target": {"path": "x"}})
 
