@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.train_helpers import logged_losses, tiny_config
+from tests.train_helpers import logged_losses, spawn_ranks, tiny_config
 
 
 def free_port() -> int:
@@ -61,9 +60,7 @@ def worker(
 def run_two_ranks(task, out_dir, extra, mode, tmp_path):
     result_dir = tmp_path / "results"
     result_dir.mkdir(exist_ok=True)
-    mp.spawn(
-        worker, args=(2, free_port(), task, str(out_dir), extra, mode, str(result_dir)), nprocs=2, join=True
-    )
+    spawn_ranks(worker, (2, free_port(), task, str(out_dir), extra, mode, str(result_dir)), nprocs=2)
     return [json.loads((result_dir / f"rank{r}.json").read_text()) for r in range(2)]
 
 

@@ -11,13 +11,13 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dflash_train.config import DrafterConfig, LoggingConfig
 from dflash_train.models import presets
 from dflash_train.train.faults import GracefulStop, Watchdog, any_rank_flags, any_rank_true
 from dflash_train.train.flops import causal_key_count, mfu, train_step_flops
 from dflash_train.train.logging import MetricsLogger, format_duration, log_main
+from tests.train_helpers import spawn_ranks
 
 TFLOP = 1e12
 
@@ -310,7 +310,7 @@ def _any_rank_worker(rank: int, world_size: int, init_file: str, out_dir: str) -
 
 
 def test_any_rank_true_across_two_gloo_ranks(tmp_path):
-    mp.spawn(_any_rank_worker, args=(2, str(tmp_path / "store"), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_any_rank_worker, (2, str(tmp_path / "store"), str(tmp_path)), nprocs=2)
     for rank in range(2):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert results == [True, False, True, False, True], f"rank {rank}"

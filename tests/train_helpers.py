@@ -1,10 +1,15 @@
 """Shared pieces of the training tests: a learnable toy task, a confident tiny target, a config."""
 
+import faulthandler
 import json
 import random
+import sys
+import time
 from pathlib import Path
 
+import pytest
 import torch
+import torch.multiprocessing as mp
 
 from dflash_train.config import load_config
 from dflash_train.tiny import save_tiny_target
@@ -68,3 +73,26 @@ def tiny_config(task, out_dir, *extra):
 def logged_losses(out_dir) -> dict[int, float]:
     rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows}
+
+
+def _bounded_worker(index: int, fn, dump_after_s: float, *args) -> None:
+    # A wedged rank prints every thread's stack and exits, so the test fails with the place it hung.
+    faulthandler.dump_traceback_later(dump_after_s, exit=True, file=sys.stderr)
+    fn(index, *args)
+
+
+def spawn_ranks(fn, args: tuple, nprocs: int, timeout_s: float = 300.0) -> None:
+    """``mp.spawn(fn, args, nprocs)`` that can never hang the test session.
+
+    Each child dumps its stacks and exits after ``timeout_s - 30`` seconds; the parent kills what is
+    left at ``timeout_s`` and fails the test, instead of joining forever.
+    """
+    context = mp.start_processes(
+        _bounded_worker, args=(fn, timeout_s - 30, *args), nprocs=nprocs, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=2):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"{nprocs}-rank run of {fn.__name__} did not finish in {timeout_s:.0f} s")
