@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks on one H200 (torch 2.11, no network): logs go to $OUT (or ./gpu-logs).
-# Usage: scripts/gpu_checks.sh [checks|bench|bench2|ablation|shapes|all]   (fla-core wheels in .whl/, see docs/performance.md)
+# Usage: scripts/gpu_checks.sh [checks|bench|bench2|ablation|shapes|longest|all]   (fla-core wheels in .whl/, see docs/performance.md)
 set -u
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 what=${1:-all}
@@ -36,6 +36,9 @@ if [ "$what" = ablation ]; then
 fi
 if [ "$what" = shapes ]; then
   step shapes 560 python3 scripts/gpu_ablation.py --only shapes
+fi
+if [ "$what" = longest ]; then  # the 128K row that ran out of memory in `bench`, without allocator fragmentation
+  step bench_27b_128k_ckpt_expandable 270 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m dflash_train.cli bench --preset qwen3.6-27b --seq-len 131072 --num-anchors 8192 --activation-checkpointing --steps 1 --warmup 1 --json
 fi
 if [ "$what" = bench2 ]; then
   step bench_27b_full_sdpa 200 python3 -m dflash_train.cli bench --preset qwen3.6-27b --attention-backend sdpa --no-compile --json
