@@ -1,6 +1,7 @@
 """Shared pieces of the training tests: a learnable toy task, a confident tiny target, a config."""
 
 import faulthandler
+import gc
 import json
 import random
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dflash_train.config import load_config
@@ -78,14 +80,22 @@ def logged_losses(out_dir) -> dict[int, float]:
 def _bounded_worker(index: int, fn, dump_after_s: float, *args) -> None:
     # A wedged rank prints every thread's stack and exits, so the test fails with the place it hung.
     faulthandler.dump_traceback_later(dump_after_s, exit=True, file=sys.stderr)
-    fn(index, *args)
+    try:
+        fn(index, *args)
+    finally:
+        # Free the run (DDP/FSDP modules hold the process group) before the group is destroyed: a
+        # DDP module collected after destroy_process_group once hung a rank in its destructor.
+        gc.collect()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def spawn_ranks(fn, args: tuple, nprocs: int, timeout_s: float = 300.0) -> None:
     """``mp.spawn(fn, args, nprocs)`` that can never hang the test session.
 
-    Each child dumps its stacks and exits after ``timeout_s - 30`` seconds; the parent kills what is
-    left at ``timeout_s`` and fails the test, instead of joining forever.
+    Each child destroys its process group after ``fn`` returns (``fn`` must not), dumps its stacks
+    and exits after ``timeout_s - 30`` seconds; the parent kills what is left at ``timeout_s`` and
+    fails the test, instead of joining forever.
     """
     context = mp.start_processes(
         _bounded_worker, args=(fn, timeout_s - 30, *args), nprocs=nprocs, join=False, start_method="spawn"

@@ -19,7 +19,7 @@ import torch
 from dflash_train.config import load_config
 from dflash_train.models.presets import DRAFTER_PRESETS
 from dflash_train.train.flops import mfu, train_step_flops
-from dflash_train.train.parallel import DistInfo, pick_device
+from dflash_train.train.parallel import DistInfo, pick_device, use_expandable_segments
 from dflash_train.train.step_timer import PhaseTimer
 
 # preset -> (target preset, drafter preset, default seq len, default anchors, block size)
@@ -107,6 +107,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.preset not in BENCH_SHAPES:
         raise ValueError(f"--preset {args.preset!r}: use one of {list(BENCH_SHAPES)}")
     cfg, seq_len, anchors = bench_config(args)
+    use_expandable_segments()  # the allocator configuration training uses
     run = build_bench_run(cfg, args.rows, seq_len, pick_device(args.device), drafter_only=args.drafter_only)
     result = time_train_steps(run, args.steps, args.warmup)
     if args.profile:

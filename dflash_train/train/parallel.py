@@ -35,6 +35,13 @@ class DistInfo:
         return dist.is_available() and dist.is_initialized()
 
 
+def use_expandable_segments() -> None:
+    """Expandable CUDA allocator segments unless the user set PYTORCH_CUDA_ALLOC_CONF: the step's
+    shapes change with the sequence bucket, and fixed-size segments then fragment memory (a 128K row
+    that fails with 9.5 GiB reserved but unallocated). Must run before the first CUDA allocation."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+
 def pick_device(requested: str, local_rank: int = 0) -> torch.device:
     """``auto`` = this rank's GPU when CUDA is present, else CPU."""
     if requested == "auto":

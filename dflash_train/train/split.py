@@ -46,6 +46,7 @@ from dflash_train.train.parallel import (
     full_model_state,
     full_optimizer_state,
     init_distributed,
+    use_expandable_segments,
     wrap_drafter,
 )
 from dflash_train.train.split_stream import (
@@ -84,7 +85,7 @@ def train_split(cfg: RunConfig, hooks: trainer.TrainHooks | None = None) -> dict
     world = int(os.environ.get("WORLD_SIZE", "1"))
     SplitLayout.create(cfg.train.target_ranks, world, int(os.environ.get("RANK", "0")))  # fail before joining
     pipeline_depth(cfg.train.max_in_flight, cfg.train.grad_accum)
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    use_expandable_segments()
     info = init_distributed(cfg.train.device, timeout_s=cfg.train.dist_timeout_s)
     layout = SplitLayout.create(cfg.train.target_ranks, info.world_size, info.rank)
     timeout = datetime.timedelta(seconds=cfg.train.dist_timeout_s)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ from dflash_train.train.parallel import (
     init_distributed,
     load_full_state,
     unwrap,
+    use_expandable_segments,
     uses_fsdp,
 )
 from dflash_train.train.step_timer import PhaseTimer
@@ -94,7 +94,7 @@ def train(cfg: RunConfig, hooks: TrainHooks | None = None) -> dict[str, Any]:
 
         return train_split(cfg, hooks)
     hooks = hooks or TrainHooks()
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    use_expandable_segments()
     info = init_distributed(cfg.train.device, timeout_s=cfg.train.dist_timeout_s)
     run = build_run(cfg, info)
     logger = MetricsLogger(
