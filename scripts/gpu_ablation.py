@@ -17,11 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 import traceback
 from pathlib import Path
 
 import torch
+
+from dflash_train.bench.timing import time_calls_ms
 
 OUT = Path(os.environ.get("OUT", "gpu-logs"))
 RESULTS: list[dict] = []
@@ -36,18 +39,8 @@ def record(section: str, name: str, **values) -> None:
 
 
 def cuda_ms(fn, iters: int = 10, warmup: int = 3) -> float:
-    """Median CUDA-event time of ``fn`` in milliseconds."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
+    """Median CUDA time of ``fn`` in milliseconds."""
+    return statistics.median(time_calls_ms(fn, iters, warmup=warmup, device="cuda"))
 
 
 def bench_args(seq_len: int, anchors: int, rows: int = 1) -> argparse.Namespace:

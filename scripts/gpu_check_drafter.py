@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
+from dflash_train.bench.timing import time_calls_ms  # noqa: E402
 from dflash_train.config import DrafterConfig  # noqa: E402
 from dflash_train.models import presets  # noqa: E402
 from dflash_train.models.drafter import DFlashDrafter, block_positions, block_token_ids  # noqa: E402
@@ -81,24 +82,6 @@ def build(args: argparse.Namespace, device: torch.device):
         anchors = torch.randperm(length - 2)[:num_anchors].sort().values[None] + 1
         keep = torch.ones_like(anchors, dtype=torch.bool)
     return drafter, config, embed, (features, ids, anchors, keep)
-
-
-def timed(fn, iters: int, device: torch.device) -> list[float]:
-    """Milliseconds per call (CUDA events on GPU, wall clock on CPU)."""
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            began = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - began) * 1e3)
-    return times
 
 
 def layer_inputs(drafter, config, embed, batch, layer_index: int):
@@ -195,7 +178,10 @@ def time_block_mask(drafter, config, batch, args, device) -> dict:
             base = torch.cuda.memory_allocated()
             build()
             peak = (torch.cuda.max_memory_allocated() - base) / GiB
-        out[layer_type] = {"median_ms": statistics.median(timed(build, args.iters, device)), "peak_gib": peak}
+        out[layer_type] = {
+            "median_ms": statistics.median(time_calls_ms(build, args.iters, device=device)),
+            "peak_gib": peak,
+        }
     return out
 
 
@@ -220,7 +206,7 @@ def time_train_step(drafter, embed, batch, backend: str, chunk: int, trim: bool,
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    times = timed(step, args.iters, device)
+    times = time_calls_ms(step, args.iters, device=device)
     peak = (torch.cuda.max_memory_allocated() - base) / GiB if device.type == "cuda" else None
     return {"first_ms": first_ms, "median_ms": statistics.median(times), "peak_gib": peak}
 

@@ -5,10 +5,13 @@ and checks they agree. Prints one JSON line.
 """
 
 import json
+import statistics
 
 import torch
 import torch.nn.functional as F
 from fla.modules.causal_conv1d import causal_conv1d as fla_causal_conv1d
+
+from dflash_train.bench.timing import time_calls_ms
 
 
 def torch_fallback(x, weight):  # what transformers runs: depthwise conv1d in [B, D, T] layout
@@ -23,15 +26,7 @@ def fla_path(x, weight):  # fla wants [B, T, D]
 
 
 def time_ms(fn, *args, iters=20):
-    for _ in range(3):
-        fn(*args)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn(*args)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+    return statistics.mean(time_calls_ms(lambda: fn(*args), iters, warmup=3, device="cuda"))
 
 
 results = {}
