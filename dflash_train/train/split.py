@@ -23,7 +23,6 @@ from __future__ import annotations
 import datetime
 import functools
 import os
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -422,19 +421,12 @@ def save_split(run: trainer.Run, ctx: DrafterContext, reports) -> Path:
             raise RuntimeError(
                 f"split data positions disagree at step {run.step}: drafter {run.data.state_dict()}, target ranks {positions}"
             )
-        train_state = {
-            "step": run.step,
-            "optimizer": optim_state,
-            "scheduler": run.scheduler.state_dict(),
-            "data": run.data.state_dict(),
-            "split": {
-                "target_ranks": ctx.layout.num_target_ranks,
-                "drafter_ranks": ctx.layout.num_drafter_ranks,
-                "target_data": positions,
-            },
-            "counters": dict(run.counters),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        split = {
+            "target_ranks": ctx.layout.num_target_ranks,
+            "drafter_ranks": ctx.layout.num_drafter_ranks,
+            "target_data": positions,
         }
+        train_state = trainer.train_state_dict(run, optim_state, split=split)
         path = ckpt.save_checkpoint(
             run.cfg.output_dir,
             run.step,

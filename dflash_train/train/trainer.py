@@ -426,20 +426,26 @@ def log_metrics(
 # ----------------------------------------------------------------------------- checkpoints
 
 
+def train_state_dict(run: Run, optim_state: dict, **extra: Any) -> dict[str, Any]:
+    """Everything but the drafter weights that a resume needs (``extra``: placement-specific parts)."""
+    return {
+        "step": run.step,
+        "optimizer": optim_state,
+        "scheduler": run.scheduler.state_dict(),
+        "data": run.data.state_dict(),
+        **extra,
+        "counters": dict(run.counters),
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+    }
+
+
 def save(run: Run) -> Path | None:
     """Gather the full state from every rank; rank 0 writes it atomically (in the background)."""
     model_state = full_model_state(run.model)
     optim_state = full_optimizer_state(run.model, run.optimizer)
     path = None
     if run.info.is_main:
-        train_state = {
-            "step": run.step,
-            "optimizer": optim_state,
-            "scheduler": run.scheduler.state_dict(),
-            "data": run.data.state_dict(),
-            "counters": dict(run.counters),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-        }
+        train_state = train_state_dict(run, optim_state)
         if run.writer.pool is not None and run.info.device.type == "cpu":
             # On CPU the gathered state aliases the live tensors; the writer thread needs a copy.
             model_state, train_state = ckpt.snapshot(model_state), ckpt.snapshot(train_state)
