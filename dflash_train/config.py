@@ -35,6 +35,9 @@ class TargetConfig:
     target_layer_ids: list[int] = field(default_factory=list)
     # Number of feature layers when target_layer_ids is empty.
     num_target_features: int = 5
+    # Allow the target's last layer among target_layer_ids. Off by default: serving engines differ
+    # on whether they capture it before or after the final norm (training uses before).
+    allow_last_layer: bool = False
     # GatedDeltaNet targets on CUDA must run the fla kernels; set true to accept the ~3x slower
     # PyTorch fallback (a loud warning is printed once).
     allow_slow_kernels: bool = False
@@ -234,6 +237,7 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(f"train.betas={t.betas}: give two numbers, e.g. [0.9, 0.95].")
     if t.grad_accum < 1 or t.num_epochs < 1 or t.max_steps < 0:
         raise ValueError("train.grad_accum and train.num_epochs must be >= 1, train.max_steps >= 0.")
+    validate_target_layer_ids(cfg.target)
     if cfg.target.fsdp_shard:
         raise ValueError(
             "target.fsdp_shard=true: sharding the target is not implemented. A 27B bf16 target (54 GB) fits "
@@ -252,6 +256,22 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(
             "train.gamma must be >= 0 (0 = default), train.loss_chunk_tokens and train.sdpa_anchor_chunk >= 1."
         )
+
+
+def validate_target_layer_ids(target: TargetConfig) -> None:
+    """Feature layer ids serving engines can use: strictly increasing and, where the recipe names a
+    ``preset:`` target (its depth is known here), within its layers and off its last layer. Every
+    target is checked again when it is loaded (``presets.check_serving_layer_ids``)."""
+    from dflash_train.models import drafter_config, presets  # lazy: models import this module
+
+    ids = target.target_layer_ids
+    if any(i < 0 for i in ids):
+        raise ValueError(f"target.target_layer_ids={ids}: layer ids are 0-based and >= 0.")
+    drafter_config.check_ascending_layer_ids(ids)
+    name = target.path.removeprefix("preset:")
+    if ids and target.path.startswith("preset:") and name in presets.TARGET_PRESETS:
+        num_layers = presets.TARGET_PRESETS[name]().num_hidden_layers
+        presets.check_serving_layer_ids(ids, num_layers, target.allow_last_layer)
 
 
 # ----------------------------------------------------------------------------- loading

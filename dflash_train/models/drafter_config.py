@@ -63,6 +63,7 @@ class DFlashDraftConfig:
             raise ValueError(
                 f"target_layer_ids={self.target_layer_ids} must be non-empty and within [0, {self.num_target_layers - 1}] (the target has {self.num_target_layers} layers)."
             )
+        check_ascending_layer_ids(self.target_layer_ids)
 
     @property
     def num_target_features(self) -> int:
@@ -118,3 +119,13 @@ class DFlashDraftConfig:
         if kwargs["mask_token_id"] is None:
             raise ValueError("config.json has no dflash_config.mask_token_id: not a DFlash drafter export.")
         return cls(**kwargs)
+
+
+def check_ascending_layer_ids(ids: list[int]) -> None:
+    """Feature layer ids must be strictly increasing (hence distinct): see ``presets.check_serving_layer_ids``."""
+    if any(b <= a for a, b in zip(ids, ids[1:])):
+        raise ValueError(
+            f"target.target_layer_ids={list(ids)} must be strictly increasing and distinct: SGLang and "
+            "vLLM capture each layer once in ascending order, so a repeated id crashes their fc layer and "
+            f"an unsorted list silently permutes the features; use {sorted(set(ids))}."
+        )

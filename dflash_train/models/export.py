@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.drafter_config import DFlashDraftConfig
+from dflash_train.models.serving import SERVING_NOTES_NAME, write_serving_notes
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -49,9 +50,17 @@ def _write_atomically(path: Path, write) -> None:
 
 
 def save_drafter(
-    drafter: DFlashDrafter, config: DFlashDraftConfig, out_dir: str | Path, dtype: str = "bfloat16"
+    drafter: DFlashDrafter,
+    config: DFlashDraftConfig,
+    out_dir: str | Path,
+    dtype: str = "bfloat16",
+    *,
+    target: str = "<target>",
+    announce: bool = False,
 ) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` (drafter tensors in ``dtype``) to out_dir."""
+    """Write ``config.json``, ``model.safetensors`` (drafter tensors in ``dtype``) and ``SERVING.md``
+    (the exact SGLang/vLLM flags, with ``target`` as the target model) to out_dir; ``announce`` also
+    prints the serving flags."""
     torch_dtype = _torch_dtype(dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -63,6 +72,9 @@ def save_drafter(
     serving["torch_dtype"] = serving["dtype"] = dtype
     _write_atomically(out / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
     _write_atomically(out / CONFIG_NAME, lambda p: p.write_text(json.dumps(serving, indent=2) + "\n"))
+    notes = write_serving_notes(config, out, target)
+    if announce:
+        print(notes, end="", flush=True)
     return out
 
 
@@ -147,5 +159,22 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, dtype: str = "
     config = DFlashDraftConfig.from_serving_dict(json.loads((source / CHECKPOINT_CONFIG_NAME).read_text()))
     tensors = _read_tensors(source / CHECKPOINT_WEIGHTS_NAME, "cpu")
     drafter = build_drafter_from_tensors(config, tensors, source / CHECKPOINT_WEIGHTS_NAME, None)
-    out = save_drafter(drafter, config, output, dtype=dtype)
-    return {"export": str(out), "checkpoint": str(source), "tensors": len(tensors), "dtype": dtype}
+    out = save_drafter(drafter, config, output, dtype=dtype, target=recipe_target(source), announce=True)
+    return {
+        "export": str(out),
+        "checkpoint": str(source),
+        "tensors": len(tensors),
+        "dtype": dtype,
+        "serving": str(out / SERVING_NOTES_NAME),
+    }
+
+
+def recipe_target(checkpoint: Path) -> str:
+    """``target.path`` of the recipe saved in a checkpoint (``config.yaml``), for the serving flags."""
+    import yaml
+
+    recipe = checkpoint / "config.yaml"
+    if not recipe.is_file():
+        return "<target>"
+    raw = yaml.safe_load(recipe.read_text()) or {}
+    return str((raw.get("target") or {}).get("path") or "<target>")

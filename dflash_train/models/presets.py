@@ -8,12 +8,13 @@ into the complete ``DFlashDraftConfig``.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from transformers import PretrainedConfig, Qwen3_5TextConfig, Qwen3Config
 
 from dflash_train.config import DrafterConfig
-from dflash_train.models.drafter_config import DFlashDraftConfig
+from dflash_train.models.drafter_config import DFlashDraftConfig, check_ascending_layer_ids
 
 
 def qwen36_27b_target_config(num_hidden_layers: int = 64) -> Qwen3_5TextConfig:
@@ -162,11 +163,51 @@ DRAFTER_PRESETS: dict[str, dict[str, Any]] = {
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
-    """DFlash default feature layers: round(1 + i*(N-4)/(n-1)), e.g. N=64 -> [1,16,31,46,61]."""
-    if num_features == 1:
-        return [num_target_layers // 2]
-    ids = [round(1 + i * (num_target_layers - 4) / (num_features - 1)) for i in range(num_features)]
-    return [min(max(i, 0), num_target_layers - 1) for i in ids]
+    """DFlash default feature layers: round(1 + i*(N-4)/(n-1)), e.g. N=64 -> [1,16,31,46,61].
+
+    The formula repeats ids on shallow targets (N < n + 3, e.g. the 4-layer test targets would get
+    [1,1,1,1,1]), and serving engines capture each layer once: there the default is min(n, N-1)
+    distinct ids spread evenly over layers 0..N-2 (the last layer is avoided, see
+    ``check_serving_layer_ids``), so a 4-layer target gets [0, 1, 2] (3 features, not 5).
+    """
+    n, last = num_features, num_target_layers - 1
+    if n >= 2 and num_target_layers >= n + 3:
+        return [round(1 + i * (num_target_layers - 4) / (n - 1)) for i in range(n)]
+    count = max(1, min(n, last))
+    if count == 1:
+        return [max(0, min(num_target_layers // 2, last - 1))]
+    return [round(i * (last - 1) / (count - 1)) for i in range(count)]
+
+
+def check_serving_layer_ids(
+    ids: list[int], num_target_layers: int, allow_last_layer: bool = False
+) -> list[int]:
+    """``target.target_layer_ids`` as SGLang and vLLM can serve them; a ValueError says what to change.
+
+    Engines capture each feature layer once, in ascending order: a repeated id crashes their ``fc``
+    (it expects n distinct captures) and unsorted ids silently permute the features the drafter was
+    trained on. Engines also take layer l's output as the input of layer l+1, before the final norm;
+    for the last layer there is no layer l+1, and engines differ on whether they capture it before
+    or after the final norm (HF's ``hidden_states[N]`` is after it), so it is refused unless
+    ``allow_last_layer`` (``target.allow_last_layer=true``).
+    """
+    ids = [int(i) for i in ids]
+    default = default_target_layer_ids(num_target_layers)
+    if not ids or not all(0 <= i < num_target_layers for i in ids):
+        raise ValueError(
+            f"target.target_layer_ids={ids}: give 0-based layer ids within [0, {num_target_layers - 1}] "
+            f"(the target has {num_target_layers} decoder layers), or leave it empty for the default {default}."
+        )
+    check_ascending_layer_ids(ids)
+    if num_target_layers - 1 in ids and not allow_last_layer:
+        raise ValueError(
+            f"target.target_layer_ids={ids} uses the target's last layer {num_target_layers - 1}: serving "
+            "engines take a layer's output as the next layer's input (before the final norm), and for "
+            "the last layer they differ on whether the feature is taken before or after the final norm, "
+            f"so the served drafter may see other features than in training. Use lower layers (default "
+            f"{default}), or set target.allow_last_layer=true if you know how your engine captures it."
+        )
+    return ids
 
 
 def text_config(config: PretrainedConfig) -> PretrainedConfig:
@@ -241,6 +282,13 @@ def resolve_drafter_config(
     if shape["hidden_size"] != tc.hidden_size:
         raise ValueError(
             f"drafter hidden_size {shape['hidden_size']} != target hidden_size {tc.hidden_size}: the drafter shares the target's embedding and LM head, so they must match; pick the preset for your target or drafter.preset=from-target."
+        )
+    if not drafter.is_causal and "sliding_attention" in shape["layer_types"]:
+        warnings.warn(
+            "drafter.is_causal=false with sliding_attention layers: vLLM honours it (bidirectional "
+            "in-block), but SGLang ignores is_causal and runs sliding layers causal in-block, so "
+            "the drafter served by SGLang would not match training. Keep is_causal=true to serve with SGLang.",
+            stacklevel=2,
         )
     return DFlashDraftConfig(
         **shape,

@@ -29,9 +29,10 @@ def build_target(cfg: RunConfig, info: DistInfo):
 def build_drafter(cfg: RunConfig, target, info: DistInfo):
     """Resolve the drafter shape against the target, build it in fp32 (master weights) and wrap it."""
     from dflash_train.models.drafter import DFlashDrafter
-    from dflash_train.models.presets import resolve_drafter_config
+    from dflash_train.models.presets import check_serving_layer_ids, resolve_drafter_config
     from dflash_train.models.target import validate_target_for_drafter
 
+    check_serving_layer_ids(target.target_layer_ids, target.num_layers, cfg.target.allow_last_layer)
     mask = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id >= 0 else None
     if mask is None and cfg.drafter.preset in ("from-target", "tiny"):
         mask = getattr(target.tokenizer, "mask_token_id", None)
@@ -50,13 +51,31 @@ def build_drafter(cfg: RunConfig, target, info: DistInfo):
     torch.manual_seed(cfg.train.seed)
     drafter = DFlashDrafter(draft_config).to(info.device, torch.float32)
     if cfg.drafter.init_from:
-        from dflash_train.models.export import load_drafter
-
-        loaded, _ = load_drafter(cfg.drafter.init_from, device="cpu", dtype=torch.float32)
-        drafter.load_state_dict(loaded.state_dict())
+        init_from_export(drafter, draft_config, cfg.drafter.init_from)
     apply_compile_and_checkpointing(drafter, cfg)
     model = wrap_drafter(drafter, cfg.train.parallel, DTYPES[cfg.train.dtype], info)
     return draft_config, model
+
+
+def init_from_export(drafter: nn.Module, draft_config, path: str) -> None:
+    """Copy the weights of an exported drafter, refusing one whose config differs from this run's.
+
+    Equal tensor shapes are not enough: a drafter of another block size, mask token, feature layers
+    or layer types would load and then silently learn (and serve) something else.
+    """
+    from dflash_train.models.export import load_drafter
+    from dflash_train.train.checkpoint import changed_drafter_config
+
+    loaded, loaded_config = load_drafter(path, device="cpu", dtype=torch.float32)
+    changed = changed_drafter_config(loaded_config.to_serving_dict(), draft_config.to_serving_dict(), "")
+    if changed:
+        details = "; ".join(f"{k}: export {old!r} -> this run {new!r}" for k, (old, new) in changed.items())
+        raise ValueError(
+            f"drafter.init_from={path}: its config.json differs from the drafter resolved for this run "
+            f"({details}). Set the recipe to the export's values (drafter.*, target.target_layer_ids) "
+            "or drop drafter.init_from."
+        )
+    drafter.load_state_dict(loaded.state_dict())
 
 
 def apply_compile_and_checkpointing(drafter: nn.Module, cfg: RunConfig) -> None:

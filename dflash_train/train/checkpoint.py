@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ RESUME_CRITICAL = (
     "train.gamma",
     "target.path",
     "target.target_layer_ids",
+    "target.num_target_features",
     "data.seq_buckets",
     "data.token_budget",
     "train.max_steps",
@@ -41,6 +43,13 @@ RESUME_CRITICAL = (
     "train.lr_schedule",
     "train.seed",
 )
+# drafter.* keys that do not change the drafter a resume continues (its weights come from the
+# checkpoint, not from init_from). Every other drafter.* key is architecture or semantics.
+DRAFTER_KEYS_NOT_CHECKED = ("init_from",)
+# Keys of drafter_config.json that may differ on resume: the compute dtype, not the architecture.
+SERVING_KEYS_NOT_CHECKED = ("torch_dtype", "dtype")
+# Recipe keys whose change is allowed with a warning.
+RESUME_WARN_ONLY = ("data.paths",)
 
 
 def checkpoints_root(output_dir: str | Path) -> Path:
@@ -177,18 +186,117 @@ def _lookup(tree: dict[str, Any], dotted: str) -> Any:
     return node
 
 
-def check_resume_compatible(saved: dict[str, Any], current: dict[str, Any], allow_changed: list[str]) -> None:
-    """Refuse to resume when a result-changing recipe knob differs from the checkpoint's."""
-    changed = [
-        f"{key}: checkpoint {_lookup(saved, key)!r} -> now {_lookup(current, key)!r}"
-        for key in RESUME_CRITICAL
-        if key not in allow_changed and _lookup(saved, key) != _lookup(current, key)
-    ]
-    if changed:
-        keys = ", ".join(c.split(":")[0] for c in changed)
+def resume_checked_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """RESUME_CRITICAL plus every ``drafter.*`` key of either recipe (but init_from)."""
+    names = set(saved.get("drafter") or {}) | set(current.get("drafter") or {})
+    drafter = [f"drafter.{n}" for n in sorted(names) if n not in DRAFTER_KEYS_NOT_CHECKED]
+    return [*RESUME_CRITICAL, *(k for k in drafter if k not in RESUME_CRITICAL)]
+
+
+def _flatten(tree: dict[str, Any], prefix: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def changed_drafter_config(
+    saved: dict[str, Any], current: dict[str, Any], prefix: str = "drafter_config."
+) -> dict[str, tuple[Any, Any]]:
+    """Keys of two drafter serving configs (``drafter_config.json``) that differ, as
+    ``<prefix><key>`` -> (saved, current); nested keys are dotted, the dtype keys are skipped."""
+    old, new = _flatten(saved, prefix), _flatten(current, prefix)
+    skip = tuple(f"{prefix}{k}" for k in SERVING_KEYS_NOT_CHECKED)
+    return {
+        key: (old.get(key), new.get(key))
+        for key in sorted(set(old) | set(new))
+        if key not in skip and old.get(key) != new.get(key)
+    }
+
+
+def check_resume_compatible(
+    saved: dict[str, Any],
+    current: dict[str, Any],
+    allow_changed: list[str],
+    *,
+    saved_drafter: dict[str, Any] | None = None,
+    current_drafter: dict[str, Any] | None = None,
+) -> None:
+    """Refuse to resume when a result-changing recipe knob, or the resolved drafter, differs.
+
+    ``saved``/``current`` are recipe dicts; ``saved_drafter``/``current_drafter`` the drafter's serving
+    config as saved in the checkpoint and as resolved now (it catches changes that come from the
+    target or a preset, not from the recipe). A changed ``data.paths`` only warns.
+    """
+    changed = {
+        key: (_lookup(saved, key), _lookup(current, key))
+        for key in resume_checked_keys(saved, current)
+        if _lookup(saved, key) != _lookup(current, key)
+    }
+    if saved_drafter is not None and current_drafter is not None:
+        changed.update(changed_drafter_config(saved_drafter, current_drafter))
+    refused = {k: v for k, v in changed.items() if k not in allow_changed}
+    if refused:
+        keys = ", ".join(refused)
+        details = "; ".join(f"{k}: checkpoint {old!r} -> now {new!r}" for k, (old, new) in refused.items())
         raise ValueError(
-            "refusing to resume: "
-            + "; ".join(changed)
-            + f". Restore the original values, start a new output_dir, "
-            f"or allow the change with checkpoint.allow_changed=[{keys}]."
+            f"refusing to resume: {details}. The checkpoint holds a drafter trained with the old values. "
+            f"Restore them, start a new output_dir (drafter.init_from=<an export> starts from its weights), "
+            f"or allow the change with checkpoint.allow_changed=[{keys}] (a change of shape still cannot load)."
         )
+    for key in RESUME_WARN_ONLY:
+        if _lookup(saved, key) != _lookup(current, key):
+            warnings.warn(
+                f"resuming with a changed {key}: checkpoint {_lookup(saved, key)!r} -> now "
+                f"{_lookup(current, key)!r}; the saved data position (epoch, batch) is applied to the new data.",
+                stacklevel=2,
+            )
+
+
+def load_model_state(
+    model: torch.nn.Module,
+    drafter_state: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    optim_state: dict[str, Any],
+    source: str | Path,
+) -> None:
+    """Load a checkpoint's drafter and optimizer state into the (possibly wrapped) drafter.
+
+    A tensor the model lacks, or of another shape, is a drafter of another architecture: it becomes a
+    ``ValueError`` that names the tensors and says how to proceed, not a raw state-dict RuntimeError.
+    """
+    from dflash_train.train.parallel import load_full_state, unwrap
+
+    expected = {k: tuple(v.shape) for k, v in unwrap(model).state_dict().items()}
+    problems = state_mismatches(expected, {k: tuple(v.shape) for k, v in drafter_state.items()})
+    try:
+        if not problems:
+            load_full_state(model, optimizer, drafter_state, optim_state)
+    except RuntimeError as err:
+        problems = [str(err).splitlines()[0]]
+    if problems:
+        raise ValueError(
+            f"cannot resume from {source}: its drafter has another architecture than the one configured now "
+            f"({'; '.join(problems[:6])}). Restore the drafter.* / target.* settings of that run "
+            "(they are in its config.yaml and drafter_config.json), or start a new output_dir."
+        )
+
+
+def state_mismatches(expected: dict[str, tuple], found: dict[str, tuple]) -> list[str]:
+    """Human-readable differences between two {tensor name: shape} maps."""
+    missing = sorted(set(expected) - set(found))
+    unexpected = sorted(set(found) - set(expected))
+    shapes = [
+        f"{k}: checkpoint {list(found[k])} vs now {list(expected[k])}"
+        for k in sorted(set(expected) & set(found))
+        if expected[k] != found[k]
+    ]
+    out = shapes
+    if missing:
+        out.append(f"missing from the checkpoint: {missing[:4]}")
+    if unexpected:
+        out.append(f"not in the model: {unexpected[:4]}")
+    return out

@@ -450,6 +450,13 @@ def export_split(run: trainer.Run, ctx: DrafterContext) -> Path:
     if run.info.is_main:
         drafter = DFlashDrafter(run.draft_config)
         drafter.load_state_dict(state)
-        save_drafter(drafter, run.draft_config, out, dtype=run.cfg.train.dtype)
+        save_drafter(
+            drafter,
+            run.draft_config,
+            out,
+            dtype=run.cfg.train.dtype,
+            target=run.cfg.target.path,
+            announce=True,
+        )
     dist.barrier(group=ctx.group)
     return out

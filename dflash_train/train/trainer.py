@@ -40,7 +40,6 @@ from dflash_train.train.parallel import (
     full_model_state,
     full_optimizer_state,
     init_distributed,
-    load_full_state,
     unwrap,
     use_expandable_segments,
     uses_fsdp,
@@ -478,9 +477,15 @@ def maybe_resume(run: Run) -> None:
     if path is None:
         return
     loaded = ckpt.load_checkpoint(path)
-    ckpt.check_resume_compatible(loaded["config"], run.cfg.to_dict(), run.cfg.checkpoint.allow_changed)
+    ckpt.check_resume_compatible(
+        loaded["config"],
+        run.cfg.to_dict(),
+        run.cfg.checkpoint.allow_changed,
+        saved_drafter=loaded["drafter_config"],
+        current_drafter=run.draft_config.to_serving_dict(),
+    )
     state = loaded["train_state"]
-    load_full_state(run.model, run.optimizer, loaded["drafter_state"], state["optimizer"])
+    ckpt.load_model_state(run.model, loaded["drafter_state"], run.optimizer, state["optimizer"], path)
     run.scheduler.load_state_dict(state["scheduler"])
     run.data.load_state_dict(state["data"])
     run.counters.update(state["counters"])
@@ -500,6 +505,13 @@ def export_final(run: Run) -> Path | None:
     if run.info.is_main:
         drafter = DFlashDrafter(run.draft_config)
         drafter.load_state_dict(state)
-        save_drafter(drafter, run.draft_config, out, dtype=run.cfg.train.dtype)
+        save_drafter(
+            drafter,
+            run.draft_config,
+            out,
+            dtype=run.cfg.train.dtype,
+            target=run.cfg.target.path,
+            announce=True,
+        )
     _barrier(run.info)
     return out

@@ -1,0 +1,97 @@
+"""The serving flags of an exported drafter, written next to it as ``SERVING.md``.
+
+The block length is not read from the export by either engine: it is a serving flag (SGLang
+``--speculative-num-draft-tokens B``, vLLM ``num_speculative_tokens: B-1``), so a drafter served
+with another value silently drafts a different block than it was trained on. This module states
+the exact flags for one export, and the engine differences that matter for it:
+- vLLM runs drafters with mixed sliding/full layers only on its V2 model runner
+  (``VLLM_USE_V2_MODEL_RUNNER=1``); the V1 runner refuses them;
+- SGLang ignores ``is_causal`` (sliding layers are always causal in-block there);
+- engines differ on the last target layer's feature (before or after the final norm).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dflash_train.models.drafter_config import DFlashDraftConfig
+
+SERVING_NOTES_NAME = "SERVING.md"
+
+
+def serving_flags(
+    config: DFlashDraftConfig, export_dir: str | Path, target: str = "<target>"
+) -> dict[str, str]:
+    """The launch commands of SGLang and vLLM for this export: ``{"sglang": ..., "vllm": ...}``."""
+    draft = str(Path(export_dir).resolve())
+    block = config.block_size
+    vllm_config = json.dumps({"method": "dflash", "model": draft, "num_speculative_tokens": block - 1})
+    vllm_env = "VLLM_USE_V2_MODEL_RUNNER=1 " if needs_vllm_v2_runner(config) else ""
+    return {
+        "sglang": (
+            f"python -m sglang.launch_server --model-path {target} "
+            f"--speculative-algorithm DFLASH --speculative-draft-model-path {draft} "
+            f"--speculative-num-draft-tokens {block}"
+        ),
+        "vllm": f"{vllm_env}vllm serve {target} --speculative-config '{vllm_config}'",
+    }
+
+
+def needs_vllm_v2_runner(config: DFlashDraftConfig) -> bool:
+    """Mixed sliding/full layers need several KV-cache groups, which only vLLM's V2 runner has."""
+    return len(set(config.layer_types)) > 1
+
+
+def serving_warnings(config: DFlashDraftConfig) -> list[str]:
+    """Engine differences that apply to this drafter (empty when it serves the same everywhere)."""
+    notes = []
+    if needs_vllm_v2_runner(config):
+        notes.append(
+            "The drafter mixes sliding and full attention layers: vLLM serves it only with its V2 model "
+            "runner (`VLLM_USE_V2_MODEL_RUNNER=1`, included above); without it vLLM refuses to start."
+        )
+    if not config.is_causal and "sliding_attention" in config.layer_types:
+        notes.append(
+            "`is_causal: false` with sliding layers: vLLM honours it, SGLang ignores it and runs sliding "
+            "layers causal in-block, so SGLang would not serve the drafter as it was trained."
+        )
+    if config.num_target_layers - 1 in config.target_layer_ids:
+        notes.append(
+            f"target_layer_ids {config.target_layer_ids} include the target's last layer "
+            f"{config.num_target_layers - 1} (trained on its output before the final norm): check that "
+            "your engine captures it before the final norm too, or acceptance drops."
+        )
+    return notes
+
+
+def serving_notes(config: DFlashDraftConfig, export_dir: str | Path, target: str = "<target>") -> str:
+    """The text of ``SERVING.md``: block length, both launch commands and the applicable warnings."""
+    flags = serving_flags(config, export_dir, target)
+    block = config.block_size
+    lines = [
+        "# Serving this DFlash drafter",
+        "",
+        f"Block size {block}: each round drafts {block - 1} tokens. Serve it against the target it was "
+        f"trained for ({config.num_target_layers} layers, hidden {config.hidden_size}, vocab "
+        f"{config.vocab_size}; feature layers {config.target_layer_ids}, mask token {config.mask_token_id}).",
+        "",
+        f"SGLang (`--speculative-num-draft-tokens {block}`):",
+        "",
+        f"    {flags['sglang']}",
+        "",
+        f"vLLM (`num_speculative_tokens: {block - 1}`):",
+        "",
+        f"    {flags['vllm']}",
+    ]
+    warnings = serving_warnings(config)
+    if warnings:
+        lines += ["", "Notes:", ""] + [f"- {note}" for note in warnings]
+    return "\n".join(lines) + "\n"
+
+
+def write_serving_notes(config: DFlashDraftConfig, export_dir: str | Path, target: str = "<target>") -> str:
+    """Write ``export_dir/SERVING.md`` and return its text."""
+    text = serving_notes(config, export_dir, target)
+    (Path(export_dir) / SERVING_NOTES_NAME).write_text(text)
+    return text
