@@ -13,10 +13,6 @@ from collections.abc import Callable
 from typing import Any
 
 
-class NotAvailableError(RuntimeError):
-    """A subcommand that is not implemented yet; it exits non-zero instead of faking a result."""
-
-
 def emit_result(result: dict[str, Any], as_json: bool) -> None:
     """Print a command's result: a readable summary, or one JSON object as the last stdout line."""
     if as_json:
@@ -186,20 +182,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv``, run the subcommand and print its result; a ValueError exits 1 with its message.
+
+    Any other exception, an ImportError included, propagates with its traceback: it is a bug or a
+    broken install, not a user error.
+    """
+    from dflash_train.demo.builtin_targets import register
+
     args = build_parser().parse_args(argv)
+    register()  # builtin:<name> target paths resolve in every subcommand
     try:
         result = args.handler(args)
-    except NotAvailableError as err:
-        print(f"dflash-train {args.command}: {err}", file=sys.stderr)
-        return 2
-    except ModuleNotFoundError as err:
-        if err.name and err.name.startswith("dflash_train."):
-            print(
-                f"dflash-train {args.command}: not available yet in this version ({err.name} is missing).",
-                file=sys.stderr,
-            )
-            return 2
-        raise
     except ValueError as err:
         print(f"dflash-train {args.command}: error: {err}", file=sys.stderr)
         return 1

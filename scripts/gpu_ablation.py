@@ -65,7 +65,7 @@ def section_step(args) -> None:
         profile_train_step,
         time_train_steps,
     )
-    from dflash_train.models.target import compile_target_regions
+    from dflash_train.models.target_kernels import compile_target_regions
 
     cfg, seq_len, anchors = bench_config(bench_args(args.seq_len, args.num_anchors))
     t0 = time.perf_counter()
@@ -86,7 +86,7 @@ def section_step(args) -> None:
 
 
 def section_loss(args) -> None:
-    from dflash_train.train.loss import _ChunkedLMHeadLoss
+    from dflash_train.train.loss import chunked_lm_head_loss
 
     torch.manual_seed(0)
     dev, vocab, hidden_size = "cuda", 248320, 5120
@@ -101,7 +101,7 @@ def section_loss(args) -> None:
 
         def step(fused=fused):
             hidden.grad = None
-            loss, _, _ = _ChunkedLMHeadLoss.apply(hidden, weight, labels, weights, denom, 2040, fused)
+            loss, _, _ = chunked_lm_head_loss(hidden, weight, labels, weights, denom, 2040, fused)
             loss.backward()
             return loss
 

@@ -23,7 +23,8 @@ import time
 import torch
 
 from dflash_train.config import TargetConfig
-from dflash_train.models.target import FrozenTarget, gated_delta_net_layers, load_target
+from dflash_train.models.target import FrozenTarget, load_target
+from dflash_train.models.target_kernels import gated_delta_net_layers
 
 MiB = 2**20
 # Leftover allowed after features() beyond weights + features: rotary/mask caches, allocator rounding.

@@ -9,7 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_train.demo import corpus, target_build
-from dflash_train.demo.target_build import DemoTargetSettings, build_demo_target, builtin_target_path
+from dflash_train.demo.builtin_targets import builtin_target_path
+from dflash_train.demo.target_build import DemoTargetSettings, build_demo_target
 
 TINY = DemoTargetSettings(
     vocab_size=300,

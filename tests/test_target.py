@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import types
+import warnings
 import weakref
 
 import pytest
@@ -13,16 +15,16 @@ from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
 
 from dflash_train.config import TargetConfig
-from dflash_train.models import presets
+from dflash_train.models import presets, target_kernels, target_loading
+from dflash_train.models.builtin_targets import register_builtin_target
 from dflash_train.models.drafter_config import DFlashDraftConfig
 from dflash_train.models.target import (
     FrozenTarget,
-    check_fast_kernels,
-    gated_delta_net_layers,
     load_causal_lm,
     load_target,
     validate_target_for_drafter,
 )
+from dflash_train.models.target_kernels import check_fast_kernels, gated_delta_net_layers
 
 FIXTURES = ["tiny_hybrid_dir", "tiny_qwen3_dir"]
 
@@ -189,6 +191,42 @@ def test_guard_accepts_fla_and_cpu(monkeypatch, hybrid_model, tiny_qwen3_dir):
     assert "chunk_gated_delta_rule" not in check_fast_kernels(qwen3, "cuda", allow_slow=False)
 
 
+def test_torch_conv_fallback_warns_once_and_loudly_on_cuda(monkeypatch, hybrid_model):
+    monkeypatch.setattr(target_kernels, "_WARNED", set())
+    install_fake_fla(monkeypatch)
+    bind_chunk_rule(monkeypatch, hybrid_model, "fla")  # the chunk rule is fast, the conv is not
+    with pytest.warns(RuntimeWarning, match="SLOW TARGET: the GatedDeltaNet conv"):
+        kernels = check_fast_kernels(hybrid_model, "cuda", allow_slow=False)
+    assert kernels["causal_conv1d_fn"] == "torch"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process: a second target load stays quiet
+        check_fast_kernels(hybrid_model, "cuda", allow_slow=False)
+    monkeypatch.setattr(target_kernels, "_WARNED", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_fast_kernels(hybrid_model, "cpu", allow_slow=False)  # CPU runs never warn
+
+
+def test_kernels_report_what_is_bound_not_what_imports(monkeypatch, hybrid_model):
+    # An opaque callable (no wrapper closure to inspect) bound to the conv: the reported source is
+    # where that callable is defined, even when the fast package itself imports fine.
+    modeling = sys.modules[type(gated_delta_net_layers(hybrid_model)[0]).__module__]
+    monkeypatch.setitem(sys.modules, "causal_conv1d", types.ModuleType("causal_conv1d"))
+    reference = functools.partial(modeling.causal_conv1d_fn.__wrapped__)
+    monkeypatch.setattr(modeling, "causal_conv1d_fn", reference)
+    assert target_kernels.bound_kernels(hybrid_model)["causal_conv1d_fn"] == "torch"
+
+    class FastConv:
+        def __call__(self, *args, **kwargs):
+            raise AssertionError("not called")
+
+    FastConv.__module__ = "causal_conv1d.cpp_functions"
+    monkeypatch.setattr(modeling, "causal_conv1d_fn", FastConv())
+    assert target_kernels.bound_kernels(hybrid_model)["causal_conv1d_fn"] == "causal_conv1d"
+    monkeypatch.setattr(modeling, "causal_conv1d_fn", target_kernels.fla_causal_conv1d_fn)
+    assert target_kernels.bound_kernels(hybrid_model)["causal_conv1d_fn"] == "fla"
+
+
 def test_load_target_records_kernels(tiny_hybrid_dir):
     target = frozen(tiny_hybrid_dir, [1])
     assert target.kernels["chunk_gated_delta_rule"] in ("torch", "fla")
@@ -294,32 +332,42 @@ def test_preset_builds_random_weights(tiny_qwen3_dir):
 
 
 def test_default_layer_ids_and_builtin(monkeypatch, tiny_qwen3_dir):
+    from dflash_train.models import builtin_targets
+
     target = load_target(
         TargetConfig(path=str(tiny_qwen3_dir), dtype="float32"), "cpu", num_target_features=2
     )
     assert target.target_layer_ids == presets.default_target_layer_ids(3, 2)
-    monkeypatch.setitem(sys.modules, "dflash_train.demo.target_build", None)  # an import of it fails
-    with pytest.raises(ValueError, match="dflash_train.demo.target_build"):
+    monkeypatch.setattr(builtin_targets, "_RESOLVERS", {})
+    with pytest.raises(ValueError, match=r"'builtin:tiny' is not registered.*register\(\)"):
         load_causal_lm("builtin:tiny", dtype="float32", device="cpu")
-    fake = types.ModuleType("dflash_train.demo.target_build")
-    fake.builtin_target_path = lambda name: tiny_qwen3_dir
-    monkeypatch.setitem(sys.modules, "dflash_train.demo.target_build", fake)
+    register_builtin_target("tiny", lambda name: tiny_qwen3_dir)
     model, tokenizer = load_causal_lm("builtin:tiny", dtype="float32", device="cpu")
     assert type(model).__name__ == "Qwen3ForCausalLM" and tokenizer is not None
 
 
+def test_demo_registers_its_builtin_target_lazily(monkeypatch, tiny_qwen3_dir):
+    from dflash_train.demo import builtin_targets as demo_builtins
+    from dflash_train.models import builtin_targets
+
+    monkeypatch.setattr(builtin_targets, "_RESOLVERS", {})
+    monkeypatch.setattr(demo_builtins, "builtin_target_path", lambda name: tiny_qwen3_dir)
+    demo_builtins.register()
+    assert builtin_targets.registered_builtin_targets() == ["demo-target"]
+    assert target_loading.resolve_target_path("builtin:demo-target") == str(tiny_qwen3_dir)
+
+
 @pytest.mark.gpu
 def test_fla_causal_conv_matches_the_torch_fallback_on_cuda():
-    from dflash_train.models import target as target_mod
 
-    model = target_mod.build_preset_target("tiny-hybrid", dtype=torch.bfloat16, device="cuda")
+    model = target_loading.build_preset_target("tiny-hybrid", dtype=torch.bfloat16, device="cuda")
     ids = torch.randint(0, 300, (2, 128), device="cuda")
-    module = sys.modules[type(target_mod.gated_delta_net_layers(model)[0]).__module__]
+    module = sys.modules[type(target_kernels.gated_delta_net_layers(model)[0]).__module__]
     original = module.causal_conv1d_fn
     try:
         reference = FrozenTarget(model, None, [0, 2]).features(ids)
-        assert target_mod.bind_fla_causal_conv(model, "cuda")
-        assert target_mod.bound_kernels(model)["causal_conv1d_fn"] == "fla"
+        assert target_kernels.bind_fla_causal_conv(model, "cuda")
+        assert target_kernels.bound_kernels(model)["causal_conv1d_fn"] == "fla"
         fast = FrozenTarget(model, None, [0, 2]).features(ids)
     finally:
         module.causal_conv1d_fn = original
@@ -327,11 +375,10 @@ def test_fla_causal_conv_matches_the_torch_fallback_on_cuda():
 
 
 def test_fla_causal_conv_is_not_bound_on_cpu(tiny_hybrid_dir):
-    from dflash_train.models import target as target_mod
 
-    model, _ = target_mod.load_causal_lm(str(tiny_hybrid_dir), dtype="float32", device="cpu")
-    assert not target_mod.bind_fla_causal_conv(model, "cpu")
-    assert target_mod.bound_kernels(model)["causal_conv1d_fn"] == "torch"
+    model, _ = target_loading.load_causal_lm(str(tiny_hybrid_dir), dtype="float32", device="cpu")
+    assert not target_kernels.bind_fla_causal_conv(model, "cpu")
+    assert target_kernels.bound_kernels(model)["causal_conv1d_fn"] == "torch"
 
 
 @pytest.mark.parametrize("fixture", ["tiny_hybrid_dir", "tiny_qwen3_dir"])
@@ -350,10 +397,9 @@ def test_target_head_reads_only_embedding_and_lm_head(fixture, request):
 
 
 def test_compile_target_regions_leaves_the_fla_token_mixer_eager():
-    from dflash_train.models import target as target_mod
 
-    model = target_mod.build_preset_target("tiny-hybrid", dtype=torch.float32, device="cpu")
-    names = target_mod.compile_target_regions(model)  # lazy: nothing compiles until a forward
+    model = target_loading.build_preset_target("tiny-hybrid", dtype=torch.float32, device="cpu")
+    names = target_kernels.compile_target_regions(model)  # lazy: nothing compiles until a forward
     kinds = {name.split(".", 2)[2] for name in names}
     assert kinds == {"input_layernorm", "post_attention_layernorm", "mlp", "self_attn", "linear_attn.norm"}
     assert len(names) == 4 * len(model.get_decoder().layers)
@@ -361,12 +407,11 @@ def test_compile_target_regions_leaves_the_fla_token_mixer_eager():
 
 @pytest.mark.gpu
 def test_compiled_target_regions_give_the_same_features_on_cuda():
-    from dflash_train.models import target as target_mod
 
-    model = target_mod.build_preset_target("tiny-hybrid", dtype=torch.bfloat16, device="cuda")
-    target_mod.bind_fla_causal_conv(model, "cuda")
+    model = target_loading.build_preset_target("tiny-hybrid", dtype=torch.bfloat16, device="cuda")
+    target_kernels.bind_fla_causal_conv(model, "cuda")
     ids = torch.randint(0, 300, (2, 128), device="cuda")
     reference = FrozenTarget(model, None, [0, 2, 3]).features(ids)
-    target_mod.compile_target_regions(model)
+    target_kernels.compile_target_regions(model)
     compiled = FrozenTarget(model, None, [0, 2, 3]).features(ids)
     assert ((compiled.float() - reference.float()).norm() / reference.float().norm()) < 1e-2

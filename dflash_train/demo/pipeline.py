@@ -148,9 +148,10 @@ def prepare_workdir(root: Path) -> Path:
 def build_target(settings: DemoSettings) -> Path:
     """The shipped builtin target, or (``--quick``) a small stand-in trained for a few steps."""
     from dflash_train.demo import target_build
+    from dflash_train.demo.builtin_targets import builtin_target_path
 
     if not settings.quick_target_steps:
-        path = target_build.builtin_target_path("demo-target")
+        path = builtin_target_path("demo-target")
         say(f"target: builtin demo-target at {path}")
         return path
     python = f"py{sys.version_info.major}.{sys.version_info.minor}"

@@ -9,9 +9,9 @@ the file's continuation (ended by ``<|im_end|>`` only where the file ends), toke
 the demo later tokenizes prompt and generated reply. So the target's greedy replies to the demo's
 prompts are Python continuations: predictable enough to learn, varied enough not to be copied.
 
-``builtin_target_path("demo-target")`` is what ``target.path: builtin:demo-target`` resolves to: a
-cache directory built on first use. Builds go to a temporary sibling directory that is renamed
-into place only when complete, so an interrupted build is never loaded.
+``demo.builtin_targets.builtin_target_path("demo-target")`` (what ``target.path: builtin:demo-target``
+resolves to) builds it into a cache directory on first use. Builds go to a temporary sibling
+directory that is renamed into place only when complete, so an interrupted build is never loaded.
 
 Rebuild by hand: ``python -m dflash_train.demo.target_build --out DIR`` (docs/demo.md).
 """
@@ -39,7 +39,6 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen3_5T
 from dflash_train.demo.corpus import continuation_prompt, read_source, stdlib_files
 from dflash_train.tiny import build_tokenizer
 
-BUILTIN_TARGETS = ("demo-target",)
 CACHE_VERSION = "v1"
 EMPTY_THINK = "<think>\n\n</think>\n\n"
 
@@ -329,27 +328,6 @@ def default_cache_dir() -> Path:
     """``$DFLASH_TRAIN_CACHE`` or ``~/.cache/dflash-train``."""
     root = os.environ.get("DFLASH_TRAIN_CACHE")
     return Path(root) if root else Path.home() / ".cache" / "dflash-train"
-
-
-def builtin_target_path(name: str, *, progress: bool = True) -> Path:
-    """The directory of the built-in target ``name`` (``builtin:<name>``), built on first use.
-
-    Cached per Python minor version, since the stdlib corpus differs between versions.
-    """
-    if name not in BUILTIN_TARGETS:
-        raise ValueError(f"unknown built-in target {name!r}; available: {', '.join(BUILTIN_TARGETS)}")
-    python = f"py{sys.version_info.major}.{sys.version_info.minor}"
-    path = default_cache_dir() / f"{name}-{CACHE_VERSION}-{python}"
-    if (path / "build_info.json").exists():
-        return path
-    if progress:
-        print(f"building the demo target into {path} (one time, ~3 minutes on 2 CPU cores)", file=sys.stderr)
-    try:
-        return build_demo_target(path, progress=progress)
-    except FileExistsError:
-        if (path / "build_info.json").exists():  # another process finished it meanwhile
-            return path
-        raise
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,12 +1,12 @@
-"""The frozen target: load it, capture its layer features, and refuse slow GatedDeltaNet kernels.
+"""The frozen target: its DFlash features, and the entry points that load it for training.
 
-``load_causal_lm`` loads a transformers causal LM (text part only for multimodal Qwen3.5/3.6
-checkpoints), builds random weights for ``preset:<name>`` shapes, or resolves ``builtin:<name>``.
 ``FrozenTarget`` wraps the full model (frozen, every layer, final norm and LM head intact for eval and
 regeneration) and computes the DFlash features: the outputs of decoder layers ``target_layer_ids``
 (HF's ``hidden_states[id + 1]``) concatenated along the hidden dim, running only layers
-``0..max(target_layer_ids)``. ``check_fast_kernels`` inspects which GatedDeltaNet/conv kernels
-transformers bound and refuses the PyTorch fallback on CUDA unless allowed.
+``0..max(target_layer_ids)``. ``load_target`` loads it (``models/target_loading.py``), binds and
+checks its kernels (``models/target_kernels.py``) and resolves the feature layers;
+``load_target_head`` loads only what split placement's drafter ranks need.
+``validate_target_for_drafter`` checks that a drafter can run on it.
 
 Shapes: R rows, L sequence, H hidden, n feature layers.
 """
@@ -14,8 +14,6 @@ Shapes: R rows, L sequence, H hidden, n feature layers.
 from __future__ import annotations
 
 import contextlib
-import importlib
-import sys
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,199 +21,35 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers import PreTrainedModel
 
 from dflash_train.config import TargetConfig
 from dflash_train.models import presets
 from dflash_train.models.drafter_config import DFlashDraftConfig
+from dflash_train.models.dtypes import resolve_dtype
+from dflash_train.models.target_kernels import (
+    bind_fla_causal_conv,
+    bound_kernels,
+    check_fast_kernels,
+    compile_target_regions,
+)
+from dflash_train.models.target_loading import (
+    load_causal_lm,
+    load_head_tensors,
+    load_tokenizer,
+    meta_text_model,
+    preset_config,
+)
 
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-# Kernel name -> the module-level function name transformers' GatedDeltaNet layers call.
-GDN_KERNEL_FUNCTIONS = {
-    "chunk_gated_delta_rule": "torch_chunk_gated_delta_rule",
-    "fused_recurrent_gated_delta_rule": "torch_recurrent_gated_delta_rule",
-    "causal_conv1d_fn": "causal_conv1d_fn",
-    "causal_conv1d_update": "causal_conv1d_update",
-}
-# Where the fast implementation lives when the transformers wrapper cannot be inspected.
-GDN_KERNEL_PACKAGES = {
-    "chunk_gated_delta_rule": "fla.ops.gated_delta_rule",
-    "fused_recurrent_gated_delta_rule": "fla.ops.gated_delta_rule",
-    "causal_conv1d_fn": "causal_conv1d",
-    "causal_conv1d_update": "causal_conv1d",
-}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-# Multimodal Qwen3.5/3.6 checkpoints store the text stack under this prefix.
-LANGUAGE_MODEL_KEY_MAPPING = {r"^model\.language_model\.": "model."}
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """A torch dtype from its recipe name (``bfloat16``, ``float16``, ``float32``) or itself."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise ValueError(f"target dtype {dtype!r} is not supported; use one of {list(DTYPES)}.")
-    return DTYPES[dtype]
-
-
-# ----------------------------------------------------------------------------- loading
-
-
-def load_causal_lm(
-    path: str,
-    *,
-    dtype: str | torch.dtype,
-    device: str | torch.device,
-    trust_remote_code: bool = False,
-    num_hidden_layers: int | None = None,
-) -> tuple[PreTrainedModel, Any]:
-    """Load the text causal LM at ``path`` and its tokenizer (None when there is none).
-
-    ``path`` is a local directory, a hub id (the local cache is used when offline), ``preset:<name>``
-    (random weights of a known shape, built directly on ``device``; ``num_hidden_layers`` builds only
-    the first layers) or ``builtin:<name>`` (a checkpoint shipped with the demo). Multimodal Qwen3.5/3.6
-    checkpoints load as their text-only ``ForCausalLM``: the vision tower is neither built nor read.
-    """
-    torch_dtype = resolve_dtype(dtype)
-    if path.startswith("preset:"):
-        model = build_preset_target(
-            path.removeprefix("preset:"),
-            dtype=torch_dtype,
-            device=device,
-            num_hidden_layers=num_hidden_layers,
-        )
-        return model, None
-    if num_hidden_layers is not None:
-        raise ValueError(
-            f"num_hidden_layers={num_hidden_layers} only applies to preset:<name> targets; a checkpoint is loaded whole."
-        )
-    if path.startswith("builtin:"):
-        path = str(resolve_builtin_target(path.removeprefix("builtin:")))
-    check_local_path(path)
-    model = load_pretrained_text_model(path, torch_dtype, device, trust_remote_code)
-    return model, load_tokenizer(path, trust_remote_code)
-
-
-def build_preset_target(
-    name: str,
-    *,
-    dtype: torch.dtype,
-    device: str | torch.device,
-    num_hidden_layers: int | None = None,
-    seed: int = 0,
-) -> PreTrainedModel:
-    """Random weights of preset ``name``, allocated and initialised directly on ``device``.
-
-    Building inside a ``torch.device`` context means a 27B model never exists on the CPU first. The
-    global RNG is forked so that building a preset does not perturb the caller's random stream.
-    """
-    config = preset_config(name, num_hidden_layers)
-    device = torch.device(device)
-    cuda_devices = [device.index or 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda_devices), device:
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval()
-
-
-def preset_config(name: str, num_hidden_layers: int | None = None) -> PretrainedConfig:
-    """The transformers config of target preset ``name``, optionally with fewer layers."""
-    if name not in presets.TARGET_PRESETS:
-        raise ValueError(f"target preset {name!r} is unknown; use one of {sorted(presets.TARGET_PRESETS)}.")
-    config_fn = presets.TARGET_PRESETS[name]
-    return config_fn() if num_hidden_layers is None else config_fn(num_hidden_layers=num_hidden_layers)
-
-
-def resolve_builtin_target(name: str) -> Path:
-    """The local directory of the demo's built-in target ``name``."""
-    try:
-        from dflash_train.demo.target_build import builtin_target_path
-    except ImportError as err:
-        raise ValueError(
-            f"target path 'builtin:{name}' needs dflash_train.demo.target_build, which is not available ({err}); "
-            "use a checkpoint directory or preset:<name> instead."
-        ) from err
-    return Path(builtin_target_path(name))
-
-
-def check_local_path(path: str) -> None:
-    """Raise a ValueError naming ``path`` when it looks like a local path but does not exist.
-
-    A hub id has the form ``org/name``; anything absolute, relative (``./``, ``../``), home-based or
-    with more than one ``/`` is a local path, and a typo there must not become a hub download attempt.
-    """
-    if Path(path).expanduser().exists():
-        return
-    looks_local = path.startswith(("/", ".", "~")) or path.count("/") > 1 or "\\" in path
-    if looks_local:
-        raise ValueError(
-            f"target.path {path!r} does not exist: give an existing checkpoint directory, a hub id "
-            f"(org/name), or preset:<name> with one of {sorted(presets.TARGET_PRESETS)}."
-        )
-
-
-def load_pretrained_text_model(
-    path: str, dtype: torch.dtype, device: str | torch.device, trust_remote_code: bool
-) -> PreTrainedModel:
-    """The text causal LM of a checkpoint, placed on ``device`` while loading."""
-    try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except OSError as err:
-        raise ValueError(
-            f"target.path {path!r} is not a local directory and could not be resolved as a hub id "
-            f"(offline? download it first or point to a local copy): {err}"
-        ) from err
-    kwargs: dict[str, Any] = {}
-    device = torch.device(device)
-    # Without accelerate, transformers refuses device_map: load on the CPU and move the weights.
-    direct = device.type != "cpu" and package_importable("accelerate")
-    if direct:
-        kwargs["device_map"] = device
-    elif device.type != "cpu":
-        warnings.warn(
-            "accelerate is not installed: the target is loaded on the CPU first, then moved to "
-            f"{device} (slower, needs host memory for all weights); `pip install accelerate` avoids it.",
-            stacklevel=3,
-        )
-    if config.model_type.startswith("qwen3_5") and getattr(config, "text_config", None) is not None:
-        config, kwargs["key_mapping"] = qwen35_text_only(config), LANGUAGE_MODEL_KEY_MAPPING
-    model, info = AutoModelForCausalLM.from_pretrained(
-        path,
-        config=config,
-        dtype=dtype,
-        trust_remote_code=trust_remote_code,
-        output_loading_info=True,
-        **kwargs,
-    )
-    # A missing tensor would be silently random-initialised (e.g. an untied LM head): refuse it.
-    if info.get("missing_keys"):
-        missing = sorted(info["missing_keys"])
-        raise ValueError(
-            f"checkpoint {path!r} lacks {len(missing)} weights of the text model, e.g. {missing[:5]}."
-        )
-    return model.eval() if direct else model.to(device).eval()
-
-
-def qwen35_text_only(config: PretrainedConfig) -> PretrainedConfig:
-    """The text config of a ``Qwen3_5(Moe)ForConditionalGeneration`` checkpoint, ready for ``ForCausalLM``.
-
-    The multimodal model ties its LM head according to the top-level ``tie_word_embeddings``; the text
-    config must agree, or a tied checkpoint (no ``lm_head.weight`` on disk) would get a random head.
-    """
-    text = config.text_config
-    text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", text.tie_word_embeddings))
-    if getattr(config, "quantization_config", None) is not None:
-        text.quantization_config = config.quantization_config
-    return text
-
-
-def load_tokenizer(path: str, trust_remote_code: bool) -> Any:
-    """The checkpoint's tokenizer, or None for a local directory that ships none."""
-    local = Path(path).expanduser()
-    if local.is_dir() and not any((local / name).exists() for name in TOKENIZER_FILES):
-        return None
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+__all__ = [
+    "FrozenTarget",
+    "check_layer_ids",
+    "load_causal_lm",
+    "load_target",
+    "load_target_head",
+    "resolve_target_layer_ids",
+    "validate_target_for_drafter",
+]
 
 
 # ----------------------------------------------------------------------------- the frozen target
@@ -330,138 +164,6 @@ def run_only_first_layers(decoder: nn.Module, num_layers: int) -> Iterator[None]
             decoder.norm = norm
 
 
-# ----------------------------------------------------------------------------- kernel guard
-
-
-def gated_delta_net_layers(model: nn.Module) -> list[nn.Module]:
-    """The GatedDeltaNet (linear attention) modules of ``model`` (Qwen3.5/3.6, Qwen3-Next)."""
-    return [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
-
-
-def bound_kernels(model: nn.Module) -> dict[str, str]:
-    """Which implementation each GatedDeltaNet/conv kernel and the attention of ``model`` run on.
-
-    Values are the implementing package (``fla``, ``causal_conv1d``, a hub kernel's module) or
-    ``torch`` for transformers' reference fallback; ``attention`` is the attention implementation.
-    """
-    config = getattr(model, "config", None)
-    kernels = {"attention": str(getattr(config, "_attn_implementation", None) or "unknown")}
-    layers = gated_delta_net_layers(model)
-    if not layers:
-        return kernels
-    layer = layers[0]
-    modeling_module = sys.modules.get(type(layer).__module__)
-    for kernel, function_name in GDN_KERNEL_FUNCTIONS.items():
-        # transformers 4.x stored the chosen kernel on the layer; 5.x calls module-level wrappers.
-        function = getattr(layer, kernel, None) or getattr(modeling_module, function_name, None)
-        kernels[kernel] = kernel_source(function, GDN_KERNEL_PACKAGES[kernel])
-    return kernels
-
-
-def kernel_source(function: Callable | None, fast_package: str) -> str:
-    """The package that really implements ``function``, or ``torch`` for transformers' reference code.
-
-    transformers 5 wraps each kernel with ``use_kernel_func_from_hub_with_fallback``, whose closure
-    holds the chosen ``implementation`` (e.g. fla's function) next to the reference ``torch_function``;
-    we follow ``__wrapped__`` links to that closure. When no wrapper is recognisable we fall back to
-    whether the fast package imports, which is the test transformers itself applies.
-    """
-    if function is None:
-        return "torch"
-    if getattr(function, "dflash_kernel", None):
-        return function.dflash_kernel
-    bound = bound_implementation(function)
-    if bound is None:
-        return fast_package.split(".")[0] if package_importable(fast_package) else "torch"
-    implementation, reference = bound
-    package = (getattr(implementation, "__module__", None) or "unknown").split(".")[0]
-    return "torch" if implementation is reference or package == "transformers" else package
-
-
-def bound_implementation(function: Callable) -> tuple[Callable, Callable | None] | None:
-    """(what runs, the torch reference) behind a kernel wrapper; None for an opaque callable.
-
-    A transformers fallback wrapper captures ``implementation`` and ``torch_function`` in its closure;
-    without such a wrapper, the innermost ``__wrapped__`` function is what runs.
-    """
-    seen: set[int] = set()
-    current: Any = function
-    while id(current) not in seen and getattr(current, "__code__", None) is not None:
-        seen.add(id(current))
-        closure = dict(zip(current.__code__.co_freevars, current.__closure__ or ()))
-        if "implementation" in closure:
-            reference = closure.get("torch_function")
-            return closure["implementation"].cell_contents, reference and reference.cell_contents
-        if getattr(current, "__wrapped__", None) is None:
-            return current, None
-        current = current.__wrapped__
-    return None
-
-
-def fla_causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
-    """transformers' ``causal_conv1d_fn`` contract ([B, D, T] in and out) on fla's Triton kernel."""
-    from fla.modules.causal_conv1d import causal_conv1d
-
-    out, _ = causal_conv1d(hidden_states.transpose(1, 2), weight=weight, bias=bias, activation=activation)
-    return out.transpose(1, 2)
-
-
-fla_causal_conv1d_fn.dflash_kernel = "fla"
-
-
-def bind_fla_causal_conv(model: nn.Module, device: str | torch.device) -> bool:
-    """On CUDA without the causal-conv1d package, run the GatedDeltaNet conv on fla's Triton kernel.
-
-    transformers otherwise falls back to a depthwise ``F.conv1d``: measured on an H200 at the
-    Qwen3.6-27B conv shape it is 3.5x (4K tokens) to 6.5x (32K) slower than fla's kernel
-    (docs/performance.md). The module-level function is swapped, so every model of that type in the
-    process uses it. Returns whether the fla conv is bound.
-    """
-    layers = gated_delta_net_layers(model)
-    if torch.device(device).type != "cuda" or not layers:
-        return False
-    module = sys.modules[type(layers[0]).__module__]
-    current = getattr(module, "causal_conv1d_fn", None)
-    if current is None or kernel_source(current, "causal_conv1d") != "torch":
-        return getattr(current, "dflash_kernel", None) == "fla"
-    if not package_importable("fla.modules.causal_conv1d"):
-        return False
-    module.causal_conv1d_fn = fla_causal_conv1d_fn
-    return True
-
-
-def package_importable(module_name: str) -> bool:
-    """True when ``module_name`` imports (optional kernels are only ever imported lazily, here)."""
-    try:
-        importlib.import_module(module_name)
-    except ImportError:
-        return False
-    return True
-
-
-def check_fast_kernels(model: nn.Module, device: str | torch.device, allow_slow: bool) -> dict[str, str]:
-    """Refuse a GatedDeltaNet target on CUDA that would run transformers' PyTorch fallback.
-
-    Returns the ``bound_kernels`` dict (recorded in run metadata). On CUDA, a model with GatedDeltaNet
-    layers whose ``chunk_gated_delta_rule`` is the torch reference raises RuntimeError, or warns when
-    ``allow_slow``. The conv1d fallback is only recorded: it is a cheap depthwise ``F.conv1d``. CPU runs
-    (tests, the demo) never raise.
-    """
-    kernels = bound_kernels(model)
-    if torch.device(device).type != "cuda" or kernels.get("chunk_gated_delta_rule", "absent") != "torch":
-        return kernels
-    model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-    message = (
-        f"target ({model_type}) has GatedDeltaNet layers but chunk_gated_delta_rule runs transformers' "
-        "PyTorch fallback (about 3x lower target throughput). Install the fla kernels with "
-        "`pip install fla-core` (flash-linear-attention), or set target.allow_slow_kernels=true to accept it."
-    )
-    if not allow_slow:
-        raise RuntimeError(message)
-    warnings.warn(f"SLOW TARGET: {message}", RuntimeWarning, stacklevel=2)
-    return kernels
-
-
 # ----------------------------------------------------------------------------- drafter compatibility
 
 
@@ -538,31 +240,6 @@ def resolve_target_layer_ids(
     return check_layer_ids(cfg.target_layer_ids, num_layers)
 
 
-def compile_target_regions(model: nn.Module) -> list[str]:
-    """torch.compile the pure-PyTorch regions of every decoder layer, in place; returns their names.
-
-    Regional compilation: each layer's MLP, RMSNorms and (full) attention block is compiled on its
-    own, so the layers of one class share a single compiled graph per input shape, and the
-    GatedDeltaNet token mixer keeps calling fla's Triton kernels eagerly (only its gated output
-    norm is compiled). What this fuses is the elementwise work around the matmuls (SwiGLU, fp32
-    norms, q/k norms, RoPE, the attention output gate), which HF runs as separate kernels.
-    """
-    decoder = model.get_decoder()
-    compiled = []
-    for index, layer in enumerate(decoder.layers):
-        for name, child in layer.named_children():
-            if type(child).__name__.endswith("GatedDeltaNet"):
-                regions = [
-                    (f"{name}.{n}", c) for n, c in child.named_children() if "Norm" in type(c).__name__
-                ]
-            else:
-                regions = [(name, child)]
-            for region_name, region in regions:
-                region.compile(dynamic=False)
-                compiled.append(f"layers.{index}.{region_name}")
-    return compiled
-
-
 def load_target(
     cfg: TargetConfig,
     device: str | torch.device,
@@ -609,12 +286,6 @@ def load_target(
     return FrozenTarget(model, tokenizer, layer_ids, kernels=kernels)
 
 
-# ----------------------------------------------------------------------------- head only
-
-EMBED_KEYS = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight")
-LM_HEAD_KEYS = ("lm_head.weight",)
-
-
 def load_target_head(cfg: TargetConfig, device: str | torch.device) -> FrozenTarget:
     """The target's config, tokenizer, input embedding and LM head, without its decoder weights.
 
@@ -629,49 +300,10 @@ def load_target_head(cfg: TargetConfig, device: str | torch.device) -> FrozenTar
         target = load_target(cfg, "cpu")
     else:
         model = meta_text_model(cfg)
+        load_head_tensors(path, model, resolve_dtype(cfg.dtype))
         layer_ids = resolve_target_layer_ids(cfg, presets.text_config(model.config).num_hidden_layers, None)
         target = FrozenTarget(model, load_tokenizer(cfg.path, cfg.trust_remote_code), layer_ids, kernels={})
-        load_head_tensors(path, target, resolve_dtype(cfg.dtype))
     target.decoder.layers = nn.ModuleList()
     target.embed_tokens.to(device)
     target.lm_head.to(device)
     return target
-
-
-def meta_text_model(cfg: TargetConfig) -> PreTrainedModel:
-    """The text causal LM of ``cfg.path`` with every parameter on the meta device (no memory)."""
-    config = AutoConfig.from_pretrained(cfg.path, trust_remote_code=cfg.trust_remote_code)
-    if config.model_type.startswith("qwen3_5") and getattr(config, "text_config", None) is not None:
-        config = qwen35_text_only(config)
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(
-            config, dtype=resolve_dtype(cfg.dtype), trust_remote_code=cfg.trust_remote_code
-        )
-
-
-def load_head_tensors(path: Path, target: FrozenTarget, dtype: torch.dtype) -> None:
-    """Read only the embedding and LM-head tensors from the checkpoint's safetensors files."""
-    from safetensors import safe_open
-
-    where: dict[str, Path] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(file, framework="pt") as f:
-            where.update({key: file for key in f.keys() if key in EMBED_KEYS + LM_HEAD_KEYS})
-
-    def read(keys: tuple[str, ...]) -> torch.Tensor | None:
-        key = next((k for k in keys if k in where), None)
-        if key is None:
-            return None
-        with safe_open(where[key], framework="pt") as f:
-            return f.get_tensor(key).to(dtype)
-
-    embed = read(EMBED_KEYS)
-    if embed is None:
-        raise ValueError(f"{path}: no input embedding among {EMBED_KEYS} in its safetensors files.")
-    target.embed_tokens.weight = nn.Parameter(embed, requires_grad=False)
-    head = read(LM_HEAD_KEYS)
-    if head is None and not target.config.tie_word_embeddings:
-        raise ValueError(f"{path}: untied target without {LM_HEAD_KEYS[0]} in its safetensors files.")
-    target.lm_head.weight = (
-        target.embed_tokens.weight if head is None else nn.Parameter(head, requires_grad=False)
-    )
