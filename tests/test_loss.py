@@ -4,8 +4,10 @@ from torch import Tensor
 
 from dflash_train.train import loss as loss_mod
 from dflash_train.train.loss import (
+    LossOptions,
     add_metrics,
     block_targets,
+    denominator_weights,
     dflash_loss,
     loss_weights,
     summarize_metrics,
@@ -90,7 +92,9 @@ def test_metrics_match_hand_computed_values():
     out = summarize_metrics(add_metrics(None, stats))
     assert out["tau"] == pytest.approx((3 + 2) / 2)  # accepted prefix lengths 2 and 1
     assert out["acc_by_pos"] == [1.0, 0.5, 0.5]
-    assert out["top4_by_pos"] == [1.0, 1.0, 1.0]
+    # Block 0, position 3: label 4 ties at logit 0 with ids 0, 1, 2, which greedy order puts first
+    # (after id 3), so it is 5th, not in the top 4; block 1's label 0 is 2nd.
+    assert out["top4_by_pos"] == [1.0, 1.0, 0.5]
     assert out["label_prob_by_pos"][0] > 0.99
 
 
@@ -131,3 +135,86 @@ def test_compiled_chunk_terms_match_the_naive_loss_on_cuda():
     torch.testing.assert_close(results[1][0], ref, rtol=1e-5, atol=1e-6)
     for eager, fused in zip(results[0], results[1], strict=True):
         torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- weight-0 entries
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        LossOptions(),
+        LossOptions(weighting="dpace"),
+        LossOptions(loss="ce+kl", kl_topk=5),
+    ],
+    ids=["ce", "dpace", "ce+kl"],
+)
+def test_nan_in_a_weight_zero_block_reaches_neither_loss_gradient_nor_metrics(options):
+    h, w, labels, valid, keep = make_case(rows=2, anchors=5, block=4)
+    keep[0, 1], keep[1, 3] = False, True
+    valid[1, 3, 2] = False  # an out-of-row / prompt label inside a kept block
+    planted = h.detach().clone()
+    planted[0, 1] = float("nan")  # a filler block (keep = 0)
+    planted[1, 3, 3] = float("inf")  # the hidden state of the invalid label
+    planted.requires_grad_(True)
+    teacher = torch.randn(2, 5, 3, 16)
+    teacher[0, 1] = float("nan")
+    denom = denominator_weights(keep, valid, 7.0, options).sum()
+    loss, stats = dflash_loss(
+        planted, w, labels, valid, keep, gamma=7.0, denom=denom, chunk_tokens=6,
+        options=options, teacher_hidden=teacher,
+    )  # fmt: skip
+    (grad,) = torch.autograd.grad(loss, planted)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert grad[0, 1].abs().sum() == 0 and grad[1, 3, 3].abs().sum() == 0
+    assert all(torch.isfinite(v).all() for v in stats.values())
+    # The finite entries give the same loss as a run without the planted values.
+    clean, _ = dflash_loss(
+        h, w, labels, valid, keep, gamma=7.0, denom=denom, chunk_tokens=6,
+        options=options, teacher_hidden=teacher.nan_to_num(0.0),
+    )  # fmt: skip
+    torch.testing.assert_close(loss, clean)
+
+
+# ----------------------------------------------------------------------------- greedy ties
+
+
+def greedy_ranks(logits: Tensor, labels: Tensor) -> Tensor:
+    """Reference: the label's place in greedy order (descending logit, ties to the lower id)."""
+    order = torch.sort(-logits, dim=-1, stable=True).indices
+    return (order == labels[..., None]).int().argmax(-1)
+
+
+def test_top1_is_argmax_and_ties_go_to_the_lower_id():
+    vocab = 6
+    w = torch.eye(vocab)
+    # Every logit is 0 or 1: ties everywhere. Labels tie with the maximum at a lower or higher id.
+    logits = torch.tensor([[[0, 1, 0, 0, 1, 0], [0, 1, 0, 0, 1, 0], [1, 1, 1, 1, 1, 1]]]).float()
+    h = torch.cat([torch.zeros(1, 1, vocab), logits], dim=1)[None]  # [1,1,4,V], position 0 unscored
+    labels = torch.tensor([[[1, 4, 3]]])  # hit (first max), miss (tied, later id), miss (5 ids before it)
+    valid = torch.ones(1, 1, 3, dtype=torch.bool)
+    keep = torch.ones(1, 1, dtype=torch.bool)
+    _, stats = dflash_loss(h, w, labels, valid, keep, gamma=7.0, denom=torch.tensor(1.0))
+    out = summarize_metrics(stats)
+    assert out["acc_by_pos"] == [1.0, 0.0, 0.0]
+    assert out["top4_by_pos"] == [1.0, 1.0, 1.0]  # ranks 0, 1, 3
+    assert out["tau"] == 2.0  # one accepted, then the tie at position 2 rejects like greedy decoding
+
+
+def test_hits_match_greedy_order_on_heavily_tied_logits():
+    g = torch.Generator().manual_seed(3)
+    vocab, rows, anchors, block = 20, 3, 8, 5
+    h = torch.randint(0, 3, (rows, anchors, block, vocab), generator=g).float()  # logits = h (W = I)
+    labels = torch.randint(0, vocab, (rows, anchors, block - 1), generator=g)
+    valid = torch.ones(rows, anchors, block - 1, dtype=torch.bool)
+    keep = torch.ones(rows, anchors, dtype=torch.bool)
+    _, stats = dflash_loss(
+        h, torch.eye(vocab), labels, valid, keep, gamma=7.0, denom=torch.tensor(1.0), chunk_tokens=8
+    )
+    logits = h[:, :, 1:]
+    ranks = greedy_ranks(logits, labels)
+    assert torch.equal(stats["top1"], (logits.argmax(-1) == labels).float().sum((0, 1)))
+    for k in (1, 4, 16):
+        assert torch.equal(stats[f"top{k}"], (ranks < k).float().sum((0, 1)))
+    accepted = (logits.argmax(-1) == labels).long().cumprod(-1).sum(-1)
+    assert stats["tau_sum"] == (1 + accepted).sum()

@@ -1,30 +1,106 @@
 """The DFlash loss and its metrics from one LM-head pass per chunk of block tokens.
 
 Shapes (legend): R rows, A anchors, B block size, K = B - 1 predicted positions, H hidden, V vocab,
-N = R*A*K scored tokens.
+N = R*A*K scored tokens, c tokens of one chunk.
 
 The frozen target LM head turns the drafter's hidden states into logits. Materialising all
 ``[N, V]`` logits is impossible at scale (N = 8K block tokens x 248K vocab = 8 GB in fp32), and
 computing them again for backward, metrics and top-k is what made earlier systems slow. Here each
 chunk of whole blocks goes through the LM head exactly once, in forward: that single pass yields
-the weighted cross-entropy, the gradient with respect to the hidden states (the head is frozen, so
-no weight gradient is needed), and every metric. Backward only scales the stored gradient.
+the loss, the gradient with respect to the hidden states (the head is frozen, so no weight gradient
+is needed), and every metric. Backward only scales the stored gradient.
+
+Objectives (``LossOptions``, docs/training.md "Loss options"): hard-label cross-entropy (``ce``),
+forward KL to the target's own next-token distribution (``kl``, the teacher's logits are computed
+chunk by chunk in the same pass), or their sum; position weights are the fixed decay
+exp(-(k-1)/gamma) or D-PACE weights (Wu et al., "D-PACE: Dynamic Position-Aware Cross-Entropy for
+Parallel Speculative Drafting", arXiv 2605.18810) from the drafter's own detached label probabilities.
+Entries of weight 0 (filler anchors, prompt or out-of-row labels) are *selected away* with
+``torch.where``, never multiplied by 0, so a non-finite value there cannot reach the loss, the
+gradient or a metric.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from dflash_train.train import loss_terms
+from dflash_train.train.loss_terms import dpace_weights
+
 TOPK = (1, 4, 16)
 # Rows of the per-position statistics tensor returned with the loss.
 STAT_NAMES = ("weight", "valid", "top1", "top4", "top16", "label_prob")
+LOSS_KINDS = ("ce", "kl", "ce+kl")
+WEIGHTINGS = ("decay", "dpace")
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """Which objective and which position weights the chunked loss computes.
+
+    ``loss``: "ce" (weighted cross-entropy on the data's tokens), "kl" (``kl_weight`` x forward KL
+    from the target's distribution, full vocabulary or its renormalised top ``kl_topk``) or "ce+kl"
+    (their sum). ``weighting``: "decay" (exp(-(k-1)/gamma)) or "dpace" (D-PACE, smoothing
+    ``dpace_alpha``). Built from ``train.*`` by ``from_train_config``.
+    """
+
+    loss: str = "ce"
+    kl_weight: float = 1.0
+    kl_topk: int = 0
+    weighting: str = "decay"
+    dpace_alpha: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSS_KINDS or self.weighting not in WEIGHTINGS:
+            raise ValueError(
+                f"loss {self.loss!r} / weighting {self.weighting!r}: use train.loss in {list(LOSS_KINDS)} "
+                f"and train.loss_weighting in {list(WEIGHTINGS)}."
+            )
+        if self.kl_topk < 0 or (self.uses_kl and self.kl_weight <= 0) or not 0 <= self.dpace_alpha <= 1:
+            raise ValueError(
+                f"kl_topk={self.kl_topk}, kl_weight={self.kl_weight}, dpace_alpha={self.dpace_alpha}: "
+                "need train.kl_topk >= 0, train.kl_weight > 0 with a KL loss, train.dpace_alpha in [0, 1]."
+            )
+
+    @classmethod
+    def from_train_config(cls, train) -> LossOptions:
+        """The options of a ``TrainConfig`` (``train.loss``, ``kl_weight``, ``kl_topk``, ...)."""
+        return cls(
+            loss=train.loss,
+            kl_weight=train.kl_weight,
+            kl_topk=train.kl_topk,
+            weighting=train.loss_weighting,
+            dpace_alpha=train.dpace_alpha,
+        )
+
+    @property
+    def uses_kl(self) -> bool:
+        return "kl" in self.loss.split("+")
+
+    @property
+    def ce_coef(self) -> float:
+        return 1.0 if "ce" in self.loss.split("+") else 0.0
+
+    @property
+    def kl_coef(self) -> float:
+        return self.kl_weight if self.uses_kl else 0.0
+
+
+DEFAULT_OPTIONS = LossOptions()
 
 
 def lm_head_logits(hidden: Tensor, weight: Tensor) -> Tensor:
-    """The LM-head matmul; a separate function so tests can count calls."""
+    """The student's LM-head matmul; a separate function so tests can count calls."""
+    return hidden @ weight.t()
+
+
+def teacher_logits(hidden: Tensor, weight: Tensor) -> Tensor:
+    """The teacher's LM-head matmul (the target's final-norm hidden states); counted apart from the
+    student's so tests can check that the student's head still runs once per chunk."""
     return hidden @ weight.t()
 
 
@@ -45,6 +121,20 @@ def block_targets(
     return labels, label_valid
 
 
+def teacher_block_hidden(final_hidden: Tensor, anchors: Tensor, block_size: int) -> Tensor:
+    """The teacher's hidden state for each block label: final_hidden[R,L,H] -> [R,A,K,H].
+
+    The label of block position k is ids[a+k]; the target predicts that token from position a+k-1,
+    so the teacher of block position k is the target's final-norm output at a+k-1 (positions a ..
+    a+B-2). Positions past the row are clamped (their labels are invalid and carry weight 0).
+    """
+    seq_len, hidden_size = final_hidden.shape[1], final_hidden.shape[2]
+    offsets = torch.arange(0, block_size - 1, device=anchors.device)
+    positions = (anchors[..., None] + offsets).clamp(max=seq_len - 1)  # [R,A,K]
+    index = positions.flatten(1)[..., None].expand(-1, -1, hidden_size)
+    return final_hidden.gather(1, index).view(*positions.shape, hidden_size)
+
+
 def loss_weights(keep: Tensor, label_valid: Tensor, gamma: float) -> Tensor:
     """w[r,a,k] = keep * inbounds * loss_mask * exp(-(k-1)/gamma) for predicted positions k = 1..B-1.
 
@@ -56,73 +146,116 @@ def loss_weights(keep: Tensor, label_valid: Tensor, gamma: float) -> Tensor:
     return keep[..., None].float() * label_valid.float() * decay
 
 
-def chunk_loss_terms(
-    logits: Tensor, labels: Tensor, grad_scale: Tensor | None
-) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """Everything the loss needs from one chunk of LM-head logits [c, V].
+def denominator_weights(
+    keep: Tensor, label_valid: Tensor, gamma: float, options: LossOptions = DEFAULT_OPTIONS
+) -> Tensor:
+    """What one micro-batch adds to the loss denominator (sum it, then over micro-batches and ranks).
 
-    Returns the log-sum-exp [c], the label logit [c], the label's rank among the logits [c] (hit@k
-    without a top-k sort) and, when ``grad_scale`` [c] is given, d(loss)/d(logits) =
-    (softmax - onehot(label)) * grad_scale in the logits' dtype. Written as plain tensor
-    expressions so torch.compile fuses them into a few passes over the bf16 logits; eager mode
-    materialises fp32 temporaries of the chunk's size instead.
+    ``decay``: the decay weights themselves, so the loss is a weighted mean. ``dpace``: one per kept
+    block, so the loss is the D-PACE objective per block: its weights come from the drafter's own
+    predictions, which do not exist before the forward pass, so they cannot normalise a loss whose
+    denominator must be known, across micro-batches, before the first backward.
     """
-    logits32 = logits.float()
-    lse = torch.logsumexp(logits32, dim=-1)
-    label_logit = logits32.gather(1, labels[:, None]).squeeze(1)
-    rank = (logits32 > label_logit[:, None]).sum(-1)
-    if grad_scale is None:
-        return lse, label_logit, rank, None
-    probs = logits32.sub_(lse[:, None]).exp_()  # softmax in place: logits32 is no longer needed
-    is_label = torch.arange(logits.shape[1], device=logits.device) == labels[:, None]
-    grad = torch.where(is_label, probs - 1.0, probs).mul_(grad_scale[:, None])
-    return lse, label_logit, rank, grad.to(logits.dtype)
+    if options.weighting == "dpace":
+        return keep.float()
+    return loss_weights(keep, label_valid, gamma)
+
+
+@dataclass(frozen=True)
+class _ChunkSpec:
+    """Static arguments of the chunked loss (whole blocks per chunk)."""
+
+    chunk_tokens: int
+    num_pred: int
+    fused: bool
+    options: LossOptions
 
 
 @functools.cache
-def compiled_chunk_loss_terms():
-    """``chunk_loss_terms`` compiled once per process (CUDA): ~25 GB -> ~3 GB of memory traffic per
-    2K-token chunk at a 248K vocab. Created on first use so importing this module stays cheap."""
-    return torch.compile(chunk_loss_terms)
+def _compiled(fn):
+    """``fn`` compiled once per process (CUDA): the fp32 [c, V] temporaries of eager mode become a
+    few fused passes over the bf16 logits (~25 GB -> ~3 GB of traffic per 2K-token chunk at a 248K
+    vocab). Created on first use so importing this module stays cheap."""
+    return torch.compile(fn)
+
+
+def _terms(name: str, fused: bool):
+    fn = getattr(loss_terms, name)
+    return _compiled(fn) if fused else fn
 
 
 class _ChunkedLMHeadLoss(torch.autograd.Function):
-    """sum(w * CE(hidden @ W^T, labels)) / denom, with the input gradient computed in forward.
+    """sum(w * objective(hidden @ W^T)) / denom, with the input gradient computed in forward.
 
-    Also returns, without gradient, the rank of each label among the logits and its probability.
+    Also returns, without gradient, each label's tie-aware rank among the logits, its probability
+    and the weight each token got (D-PACE weights are only known here).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, denom, chunk_tokens, fused):
-        # hidden [N, H], labels/weights [N], denom: scalar tensor. Chunks hold whole blocks.
-        terms = compiled_chunk_loss_terms() if fused else chunk_loss_terms
+    def forward(ctx, hidden, weight, teacher_hidden, labels, valid, decay_weights, denom, spec):
+        # hidden [N, H]; teacher_hidden [N, H] or None; labels/valid/decay_weights [N]; denom scalar.
+        opts, num_pred = spec.options, spec.num_pred
         needs_grad = ctx.needs_input_grad[0]
         grad_hidden = torch.empty_like(hidden) if needs_grad else None
-        loss_sum = torch.zeros((), device=hidden.device, dtype=torch.float32)
-        scale = 1.0 / denom.float().clamp_min(1e-6)
-        ranks, probs_of_label = [], []
-        for start in range(0, hidden.shape[0], chunk_tokens):
-            sl = slice(start, start + chunk_tokens)
-            logits = lm_head_logits(hidden[sl], weight)  # [c, V]: the one LM-head pass
-            w = weights[sl]
-            lse, label_logit, rank, grad_logits = terms(logits, labels[sl], w * scale if needs_grad else None)
-            loss_sum += ((lse - label_logit) * w).sum()
+        acc_dtype = torch.promote_types(hidden.dtype, torch.float32)  # fp64 in the golden tests
+        loss_sum = torch.zeros((), device=hidden.device, dtype=acc_dtype)
+        scale = 1.0 / denom.to(acc_dtype).clamp_min(1e-6)
+        ranks, probs_of_label, used = [], [], []
+        for start in range(0, hidden.shape[0], spec.chunk_tokens):
+            sl = slice(start, start + spec.chunk_tokens)
+            logits = lm_head_logits(hidden[sl], weight)  # [c, V]: the student's one LM-head pass
+            lse, label_logit, rank = _terms("label_statistics", spec.fused)(logits, labels[sl])
+            label_prob = (label_logit - lse).exp()
+            if opts.weighting == "dpace":
+                w = dpace_weights(
+                    label_prob.view(-1, num_pred), valid[sl].view(-1, num_pred), opts.dpace_alpha
+                ).view(-1)
+            else:
+                w = decay_weights[sl]
+            teacher = None
+            if opts.uses_kl:
+                t_logits = teacher_logits(teacher_hidden[sl], weight)
+                teacher = _terms("teacher_distribution", spec.fused)(t_logits, opts.kl_topk)
+                del t_logits
+            chunk_loss, grad_logits = _terms("loss_and_gradient", spec.fused)(
+                logits, lse, label_logit, labels[sl], w, scale if needs_grad else None,
+                teacher, opts.ce_coef, opts.kl_coef,
+            )  # fmt: skip
+            loss_sum += chunk_loss
             ranks.append(rank)
-            probs_of_label.append((label_logit - lse).exp())
+            probs_of_label.append(label_prob)
+            used.append(w)
             if grad_logits is not None:
                 grad_hidden[sl] = grad_logits.to(weight.dtype) @ weight
-            del logits, grad_logits
+            del logits, grad_logits, teacher
         ctx.save_for_backward(grad_hidden)
-        rank = torch.cat(ranks)
-        label_prob = torch.cat(probs_of_label)
-        ctx.mark_non_differentiable(rank, label_prob)
-        return loss_sum * scale, rank, label_prob
+        rank, label_prob, used_weights = torch.cat(ranks), torch.cat(probs_of_label), torch.cat(used)
+        ctx.mark_non_differentiable(rank, label_prob, used_weights)
+        return loss_sum * scale, rank, label_prob, used_weights
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_rank, _grad_prob):
+    def backward(ctx, grad_loss, _grad_rank, _grad_prob, _grad_weights):
         (grad_hidden,) = ctx.saved_tensors
         grad = None if grad_hidden is None else grad_hidden * grad_loss.to(grad_hidden.dtype)
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
+
+
+def chunked_lm_head_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    weights: Tensor,
+    denom: Tensor,
+    chunk_tokens: int,
+    fused: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The decay-weighted CE core on flat tokens: hidden [N, H], labels/weights [N] -> (loss, rank,
+    label probability). For benchmarks of the chunked LM head alone."""
+    spec = _ChunkSpec(chunk_tokens, 1, fused, DEFAULT_OPTIONS)
+    loss, rank, label_prob, _ = _ChunkedLMHeadLoss.apply(
+        hidden, weight, None, labels, weights > 0, weights, denom, spec
+    )
+    return loss, rank, label_prob
 
 
 def dflash_loss(
@@ -136,30 +269,58 @@ def dflash_loss(
     denom: Tensor,
     chunk_tokens: int = 2048,
     fused: bool = False,
+    options: LossOptions = DEFAULT_OPTIONS,
+    teacher_hidden: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Weighted block cross-entropy and its metrics from one LM-head pass per chunk.
+    """The block loss of ``options`` and its metrics from one student LM-head pass per chunk.
 
     hidden[R,A,B,H] are the drafter outputs (final norm applied); block position 0 (the anchor) is
     never scored. labels[R,A,K] are ids[a+k] for k = 1..B-1 (same position, no shift),
     label_valid[R,A,K] marks in-bounds response labels, keep[R,A] the real anchors. ``denom`` is
-    the sum of weights over every rank and micro-batch of the optimizer step, so the loss is
-    normalised globally. ``fused`` runs each chunk's softmax, rank and gradient through the compiled
-    ``chunk_loss_terms`` (CUDA). Returns the loss and summed statistics (see ``block_metrics``).
+    the sum of ``denominator_weights`` over every rank and micro-batch of the optimizer step, so the
+    loss is normalised globally. ``teacher_hidden[R,A,K,H]`` (``teacher_block_hidden``) is required
+    by a KL loss. ``fused`` runs each chunk's softmax, rank and gradient through compiled kernels
+    (CUDA). Returns the loss and summed statistics (see ``block_metrics``).
     """
     num_rows, num_anchors, block_size, hidden_size = hidden.shape
     num_pred = block_size - 1
-    weights = loss_weights(keep, label_valid, gamma)  # [R,A,K]
-    flat_hidden = hidden[:, :, 1:].reshape(-1, hidden_size)
-    flat_labels = labels.reshape(-1).clamp_min(0)
-    chunk = max(1, chunk_tokens // num_pred) * num_pred  # whole blocks per chunk
-    loss, rank, label_prob = _ChunkedLMHeadLoss.apply(
-        flat_hidden, lm_head_weight, flat_labels, weights.reshape(-1), denom, chunk, fused
+    check_loss_inputs(options, teacher_hidden, (num_rows, num_anchors, num_pred, hidden_size), lm_head_weight)
+    valid = label_valid & keep[..., None]
+    decay = loss_weights(keep, label_valid, gamma) if options.weighting == "decay" else None
+    flat_teacher = None if teacher_hidden is None else teacher_hidden.reshape(-1, hidden_size)
+    spec = _ChunkSpec(max(1, chunk_tokens // num_pred) * num_pred, num_pred, fused, options)
+    loss, rank, label_prob, weights = _ChunkedLMHeadLoss.apply(
+        hidden[:, :, 1:].reshape(-1, hidden_size),
+        lm_head_weight,
+        flat_teacher if options.uses_kl else None,
+        labels.reshape(-1).clamp_min(0),
+        valid.reshape(-1),
+        None if decay is None else decay.reshape(-1),
+        denom,
+        spec,
     )
     shape = (num_rows, num_anchors, num_pred)
-    stats = block_metrics(
-        weights, label_valid & keep[..., None], rank.view(shape), label_prob.view(shape), keep
-    )
+    stats = block_metrics(weights.view(shape), valid, rank.view(shape), label_prob.view(shape), keep)
     return loss, stats
+
+
+def check_loss_inputs(
+    options: LossOptions, teacher_hidden: Tensor | None, shape: tuple[int, ...], weight: Tensor
+) -> None:
+    """A KL loss needs the teacher's hidden states of every scored token, and a top-k within V."""
+    if not options.uses_kl:
+        return
+    if teacher_hidden is None or tuple(teacher_hidden.shape) != shape:
+        got = None if teacher_hidden is None else tuple(teacher_hidden.shape)
+        raise ValueError(
+            f"train.loss={options.loss!r} needs teacher hidden states of shape {shape} (teacher_block_hidden "
+            f"of the target's final-norm output), got {got}."
+        )
+    if options.kl_topk > weight.shape[0]:
+        raise ValueError(
+            f"train.kl_topk={options.kl_topk} exceeds the vocabulary ({weight.shape[0]}): use 0 for the "
+            "full vocabulary or a smaller k."
+        )
 
 
 def block_metrics(
@@ -167,15 +328,18 @@ def block_metrics(
 ) -> dict[str, Tensor]:
     """Per-position sums (top-1/4/16 hits, label probability, counts) and simulated acceptance.
 
-    tau per block = 1 + number of leading positions whose top-1 prediction is right, which is the
-    real greedy acceptance length when the labels are the target's greedy continuation. All values
-    are sums on the device (no host sync); ``summarize_metrics`` turns them into means.
+    A top-1 hit is exactly greedy decoding's choice (argmax, ties to the lowest id); top-k counts
+    the label among the first k ids in that order. tau per block = 1 + number of leading positions
+    whose top-1 prediction is right, the real greedy acceptance length when the labels are the
+    target's greedy continuation. Invalid entries are selected away (``torch.where``), so a NaN
+    there never reaches a sum. All values are sums on the device (no host sync).
     """
     validf = valid.float()
+    zero = torch.zeros((), device=weights.device)
     stats = {
-        "weight": weights.sum(),
+        "weight": torch.where(valid, weights, zero).sum(),
         "valid": validf.sum((0, 1)),
-        "label_prob": (label_prob * validf).sum((0, 1)),
+        "label_prob": torch.where(valid, label_prob.float(), zero).sum((0, 1)),
     }
     for k in TOPK:
         stats[f"top{k}"] = ((rank < k) & valid).float().sum((0, 1))
