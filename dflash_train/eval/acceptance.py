@@ -27,6 +27,15 @@ def accept_greedy(draft: list[int], target_logits: torch.Tensor) -> tuple[int, i
     return num_accepted, choices[num_accepted]
 
 
+def stop_after_eos(tokens: list[int], num_accepted: int, eos_token_ids) -> int:
+    """Accepted drafts up to and including the first EOS among them: a request ends at EOS, so
+    drafts after it are never emitted and must not count as accepted."""
+    for k in range(num_accepted):
+        if tokens[k] in eos_token_ids:
+            return k + 1
+    return num_accepted
+
+
 def target_probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Softmax at ``temperature`` in float32 (the distribution the plain sampler uses)."""
     return torch.softmax(logits.float() / temperature, dim=-1)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_train.eval.acceptance import stop_after_eos
 from dflash_train.eval.proposers import Proposer
 from dflash_train.eval.speculative import Generation, Round, decode
 from dflash_train.eval.target_session import HYBRID_TREE_ERROR, TargetSession
@@ -95,12 +96,15 @@ def tree_round(
     block_size: int,
     budget: int,
     topk: int,
+    eos_token_ids: Collection[int] = (),
 ) -> Round:
     """One DDTree round: top-k draft pass -> tree -> one tree forward -> walk -> commit the path."""
     topk_tokens, topk_logprobs = proposer.propose_topk(ids, new_features, block_size, topk)
     tree = build_tree(ids[-1], topk_tokens, topk_logprobs, budget, max_depth=remaining - 1)
     verified = session.verify_tree(torch.tensor(tree.tokens, dtype=torch.long), tree.parents, tree.depths)
     path, bonus = walk_tree(tree, verified.logits)
+    # A request ends at EOS: nodes below an accepted EOS are never emitted (the bonus is then past it).
+    path = path[: stop_after_eos([tree.tokens[i] for i in path], len(path), eos_token_ids)]
     session.commit_path([0, *path])
     features = None if verified.features is None else verified.features[[0, *path]]
     # Drafted positions = tree depth, so per-position acceptance compares like with the chain.
@@ -129,7 +133,15 @@ def ddtree_generate(
 
     def run_round(session, proposer, ids, new_features, remaining):
         return tree_round(
-            session, proposer, ids, new_features, remaining, block_size=block_size, budget=budget, topk=topk
+            session,
+            proposer,
+            ids,
+            new_features,
+            remaining,
+            block_size=block_size,
+            budget=budget,
+            topk=topk,
+            eos_token_ids=eos_token_ids,
         )
 
     return decode(

@@ -22,6 +22,7 @@ import torch
 from dflash_train.eval.ddtree import ddtree_generate
 from dflash_train.eval.proposers import DFlashProposer, NgramProposer, Proposer
 from dflash_train.eval.speculative import Generation, plain_generate, speculative_generate
+from dflash_train.eval.summary import summarize_rounds
 from dflash_train.eval.target_session import TargetSession
 
 METHOD_NAMES = ("dflash", "ngram", "ddtree")
@@ -235,31 +236,19 @@ def default_eos_ids(target_model, tokenizer) -> set[int]:
 def summarize(
     generations: Sequence[Generation], references: Sequence[Generation], temperature: float, block_size: int
 ) -> dict[str, Any]:
-    """tau, lossless, per-position acceptance, acceptance-length histogram, rounds, tokens/s."""
-    tokens = sum(len(g.tokens) for g in generations)
+    """``summarize_rounds`` plus lossless, the mismatching prompts, wall time and tokens/s."""
     wall = sum(g.wall_s for g in generations)
-    accepted = [a for g in generations for a in g.num_accepted]
-    drafted = [d for g in generations for d in g.num_drafted]
-    per_position = [
-        _ratio(sum(a >= k for a in accepted), sum(d >= k for d in drafted)) for k in range(1, block_size)
-    ]
-    histogram = [sum(a == n for a in accepted) for n in range(block_size)]
     mismatched = [
         i for i, (g, r) in enumerate(zip(generations, references, strict=True)) if g.tokens != r.tokens
     ]
-    # A request that ended right after prefill (e.g. immediate eos) had no round and has no tau.
-    with_rounds = [g for g in generations if g.num_rounds > 0]
+    summary = summarize_rounds(generations, block_size)
     return {
-        "tau": sum(g.tau for g in with_rounds) / len(with_rounds) if with_rounds else None,
+        **summary,
         # Token-for-token equality is the lossless criterion at T = 0 only; sampled outputs differ by design.
         "lossless": (not mismatched) if temperature <= 0 else None,
         "mismatched_prompts": mismatched if temperature <= 0 else [],
-        "per_position_acceptance": per_position,
-        "accept_length_histogram": histogram,
-        "rounds": len(accepted),
-        "tokens": tokens,
         "wall_s": wall,
-        "tokens_per_s": _ratio(tokens, wall),
+        "tokens_per_s": _ratio(summary["tokens"], wall),
     }
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash_train.eval.acceptance import accept_greedy, accept_sampled, choose_token
+from dflash_train.eval.acceptance import accept_greedy, accept_sampled, choose_token, stop_after_eos
 from dflash_train.eval.proposers import Proposer
 from dflash_train.eval.target_session import TargetSession
 
@@ -101,6 +101,7 @@ def chain_round(
     block_size: int,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    eos_token_ids: Collection[int] = (),
 ) -> Round:
     """One chain round: draft B-1, verify ``[last, drafts]`` in one forward, accept, commit."""
     draft = proposer.propose(ids, new_features, block_size)
@@ -112,6 +113,7 @@ def chain_round(
     else:
         probs = None if draft.probs is None else draft.probs[:num_drafts]
         num_accepted, bonus = accept_sampled(tokens, verified.logits, temperature, generator, probs)
+    num_accepted = stop_after_eos(tokens, num_accepted, eos_token_ids)  # the bonus is then past EOS
     session.commit(num_accepted + 1)
     features = None if verified.features is None else verified.features[: num_accepted + 1]
     return Round(tokens[:num_accepted] + [bonus], num_drafts, num_accepted, features)
@@ -158,6 +160,7 @@ def speculative_generate(
             block_size=block_size,
             temperature=temperature,
             generator=generator,
+            eos_token_ids=eos_token_ids,
         )
 
     return decode(

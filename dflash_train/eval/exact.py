@@ -1,0 +1,293 @@
+"""Exact greedy acceptance in batched passes: no round-by-round decoding (``--tau-mode exact``).
+
+At T = 0 speculative decoding emits exactly the target's greedy continuation, so every round's
+context is a prefix of it (``eval/simulate.py``). Given the continuations (``eval/generate.py``,
+or precomputed: the target is frozen, so in-training eval generates them once):
+
+1. features: ONE teacher-forced target pass over ``prompt + continuation`` per batch of rows,
+   RIGHT-padded (a causal model's outputs at the real positions cannot see the padding after
+   them, and positions are the unpadded run's), through ``FrozenTarget.features`` — the very
+   capture training uses (outputs of ``target_layer_ids``, truncated after the last of them);
+2. drafter: ONE batched pass over the blocks of every candidate anchor of the continuation, with
+   the drafter's training forward. Its visibility is the inference visibility (context p < a,
+   block ``[token at a, MASK...]``; the golden test ``test_training_block_equals_inference_block``
+   pins training-mode block logits == inference-mode block logits); the target's LM head turns
+   block positions 1..B-1 into argmax drafts (and top-K log-probs for DDTree), chunk by chunk;
+3. simulation on the host for DFlash, n-gram and DDTree.
+
+Because the drafter only ever sees features of accepted positions, and those are positions of the
+continuation, nothing here needs a GatedDeltaNet state rollback or per-branch state: DDTree tau is
+available for hybrid targets too.
+
+Shapes: R rows, L padded length, A anchors per row, B block size, K top-k, H hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dflash_train.eval.generate import length_sorted_batches
+from dflash_train.eval.simulate import request_limit, simulate_chain, simulate_ngram, simulate_tree
+from dflash_train.eval.speculative import Generation
+from dflash_train.eval.summary import summarize_rounds
+
+EXACT_METHODS = ("dflash", "ngram", "ddtree")
+
+
+@dataclass
+class AnchorDrafts:
+    """One prompt's drafter proposals at every candidate anchor: row j is the round that starts with
+    j + 1 tokens emitted (anchor position ``prompt_len + j``). ``topk_*`` only for DDTree."""
+
+    tokens: torch.Tensor  # [A, B-1] argmax drafts
+    topk_tokens: torch.Tensor | None = None  # [A, B-1, K]
+    topk_logprobs: torch.Tensor | None = None  # [A, B-1, K]
+
+
+def as_frozen_target(target: Any, target_layer_ids: Sequence[int]):
+    """A ``FrozenTarget`` for ``target`` (returned as is when it already is one)."""
+    from dflash_train.models.target import FrozenTarget
+
+    if isinstance(target, FrozenTarget):
+        if list(target.target_layer_ids) != list(target_layer_ids):
+            raise ValueError(
+                f"the drafter reads target layers {list(target_layer_ids)}, the FrozenTarget captures "
+                f"{list(target.target_layer_ids)}: build the FrozenTarget with the drafter's target_layer_ids."
+            )
+        return target
+    return FrozenTarget(target, None, list(target_layer_ids), kernels={})
+
+
+def drafter_config(drafter: torch.nn.Module):
+    """The ``DFlashDraftConfig`` of a drafter, also when wrapped (DDP's ``.module``)."""
+    inner = getattr(drafter, "module", drafter)
+    if not hasattr(inner, "config"):
+        raise TypeError(f"{type(drafter).__name__} has no .config: pass the DFlash drafter module")
+    return inner.config
+
+
+def _sync(device: torch.device) -> None:
+    # Phase timings must include the queued GPU work of that phase.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def anchor_drafts(
+    target,
+    drafter: torch.nn.Module,
+    sequences: Sequence[Sequence[int]],
+    prompt_lengths: Sequence[int],
+    num_anchors: Sequence[int],
+    *,
+    topk: int = 0,
+    pad_token_id: int = 0,
+    timings: dict[str, float],
+) -> list[AnchorDrafts]:
+    """Features and drafter proposals for ONE batch of rows ``sequences`` (prompt + continuation)."""
+    config = drafter_config(drafter)
+    device = target.device
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = torch.tensor(list(seq), dtype=torch.long)
+    ids = ids.to(device)
+    started = time.perf_counter()
+    features = target.features(ids)  # right padding: no mask needed, see the module docstring
+    _sync(device)
+    timings["features"] = timings.get("features", 0.0) + time.perf_counter() - started
+    started = time.perf_counter()
+    a_max = max(max(num_anchors), 1)
+    offsets = torch.arange(a_max)
+    anchors = torch.tensor(prompt_lengths)[:, None] + offsets
+    keep = offsets[None] < torch.tensor(num_anchors)[:, None]
+    hidden = drafter(
+        features,
+        ids,
+        anchors.to(device),
+        keep.to(device),
+        target.embed_tokens,
+        "sdpa",
+        64,
+        sdpa_trim_context=True,  # eval needs no fixed shapes; trimming skips keys no query sees
+    )  # [R, A, B, H]
+    result = block_proposals(hidden[:, :, 1:], target.lm_head, topk)
+    _sync(device)
+    timings["drafter"] = timings.get("drafter", 0.0) + time.perf_counter() - started
+    del features, hidden
+    assert result[0].shape[-1] == config.block_size - 1
+    return [
+        AnchorDrafts(
+            tokens=result[0][r, : num_anchors[r]],
+            topk_tokens=None if result[1] is None else result[1][r, : num_anchors[r]],
+            topk_logprobs=None if result[2] is None else result[2][r, : num_anchors[r]],
+        )
+        for r in range(len(sequences))
+    ]
+
+
+def block_proposals(
+    hidden: torch.Tensor, lm_head: torch.nn.Module, topk: int, chunk_tokens: int = 2048
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Draft hidden states [R, A, B-1, H] -> argmax [R, A, B-1] (and top-k tokens / log-probs
+    [R, A, B-1, K]) on the CPU, through the LM head in chunks (R*A*(B-1) x V logits never exist)."""
+    flat = hidden.flatten(0, 2)
+    argmax, top_tokens, top_logprobs = [], [], []
+    for start in range(0, flat.shape[0], chunk_tokens):
+        logits = lm_head(flat[start : start + chunk_tokens].to(lm_head.weight.dtype)).float()
+        argmax.append(logits.argmax(-1).cpu())
+        if topk > 0:
+            top = torch.log_softmax(logits, dim=-1).topk(topk, dim=-1)
+            top_tokens.append(top.indices.cpu())
+            top_logprobs.append(top.values.cpu())
+    shape = hidden.shape[:3]
+    tokens = torch.cat(argmax).view(shape)
+    if topk <= 0:
+        return tokens, None, None
+    return tokens, torch.cat(top_tokens).view(*shape, topk), torch.cat(top_logprobs).view(*shape, topk)
+
+
+def drafter_batches(lengths: Sequence[int], num_anchors: Sequence[int], block_size: int, budget: int):
+    """Row batches whose drafter pass holds at most ``budget`` block tokens (at least one row)."""
+    batches: list[list[int]] = []
+    for group in length_sorted_batches(lengths, len(lengths) or 1):
+        current: list[int] = []
+        for i in group:
+            widest = max([num_anchors[j] for j in current] + [num_anchors[i], 1])
+            if current and (len(current) + 1) * widest * block_size > budget:
+                batches.append(current)
+                current = []
+            current.append(i)
+        if current:
+            batches.append(current)
+    return batches
+
+
+def exact_acceptance(
+    target,
+    drafter: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    continuations: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    eos_token_ids: Collection[int],
+    methods: Sequence[str] = ("dflash",),
+    ngram_n: int = 3,
+    ddtree_budget: int = 0,
+    ddtree_topk: int = 8,
+    drafter_batch_tokens: int = 65536,
+    pad_token_id: int = 0,
+    on_prompts: Callable[[str, int, float | None], None] | None = None,
+) -> dict[str, Any]:
+    """Exact greedy tau of every method on ``prompts`` given the target's greedy ``continuations``.
+
+    ``target`` is a ``FrozenTarget`` or a HF causal LM (its ``features`` capture the drafter's
+    ``target_layer_ids``); ``drafter`` the DFlash module (wrapped is fine: it is called as a module,
+    so DDP/FSDP hooks run; under FSDP call it on every rank with the same prompts). Returns
+    ``{"methods": {name: summary}, "timings": {...}}`` with the summaries of ``summarize_rounds``.
+    ``on_prompts(method, num_done, running_tau)`` reports progress.
+    """
+    unknown = [m for m in methods if m not in EXACT_METHODS]
+    if unknown:
+        raise ValueError(f"unknown eval methods {unknown}; use some of {list(EXACT_METHODS)}")
+    if "ddtree" in methods and ddtree_budget < 1:
+        raise ValueError("method 'ddtree' needs ddtree_budget >= 1 (--ddtree-budget N)")
+    if len(prompts) != len(continuations):
+        raise ValueError(f"{len(prompts)} prompts but {len(continuations)} continuations")
+    config = drafter_config(drafter)
+    timings: dict[str, float] = {"features": 0.0, "drafter": 0.0, "simulation": 0.0}
+    drafts: list[AnchorDrafts | None] = [None] * len(prompts)
+    if "dflash" in methods or "ddtree" in methods:
+        drafts = draft_all(
+            as_frozen_target(target, config.target_layer_ids),
+            drafter,
+            prompts,
+            continuations,
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=eos_token_ids,
+            topk=ddtree_topk if "ddtree" in methods else 0,
+            budget=drafter_batch_tokens,
+            pad_token_id=pad_token_id,
+            timings=timings,
+            on_rows=None if on_prompts is None else lambda n: on_prompts("drafter", n, None),
+        )
+    started = time.perf_counter()
+    summaries = {}
+    for method in methods:
+        generations = simulate_method(
+            method, prompts, continuations, drafts, config.block_size, max_new_tokens, eos_token_ids,
+            ngram_n=ngram_n, ddtree_budget=ddtree_budget, on_prompts=on_prompts,
+        )  # fmt: skip
+        summaries[method] = summarize_rounds(generations, config.block_size)
+    timings["simulation"] = time.perf_counter() - started
+    return {"methods": summaries, "timings": timings}
+
+
+def draft_all(
+    target, drafter, prompts, continuations, *, max_new_tokens, eos_token_ids, topk, budget,
+    pad_token_id, timings, on_rows=None,
+) -> list[AnchorDrafts]:  # fmt: skip
+    """``anchor_drafts`` over every prompt, in row batches of at most ``budget`` block tokens."""
+    block_size = drafter_config(drafter).block_size
+    # Rounds start with 1 .. limit-1 tokens emitted: one candidate anchor each.
+    num_anchors = [max(request_limit(c, max_new_tokens, eos_token_ids) - 1, 0) for c in continuations]
+    sequences = [[*p, *c] for p, c in zip(prompts, continuations, strict=True)]
+    drafts: list[AnchorDrafts | None] = [None] * len(prompts)
+    for batch in drafter_batches([len(s) for s in sequences], num_anchors, block_size, budget):
+        results = anchor_drafts(
+            target,
+            drafter,
+            [sequences[i] for i in batch],
+            [len(prompts[i]) for i in batch],
+            [num_anchors[i] for i in batch],
+            topk=topk,
+            pad_token_id=pad_token_id,
+            timings=timings,
+        )
+        for i, result in zip(batch, results, strict=True):
+            drafts[i] = result
+        if on_rows is not None:
+            on_rows(len(batch))
+    return [d for d in drafts if d is not None]
+
+
+def simulate_method(
+    method: str,
+    prompts,
+    continuations,
+    drafts: Sequence[AnchorDrafts | None],
+    block_size: int,
+    max_new_tokens: int,
+    eos_token_ids: Collection[int],
+    *,
+    ngram_n: int,
+    ddtree_budget: int,
+    on_prompts: Callable[[str, int, float | None], None] | None = None,
+) -> list[Generation]:
+    """Host simulation of ``method`` on every prompt (``eval/simulate.py``)."""
+    generations = []
+    for i, continuation in enumerate(continuations):
+        common = {"block_size": block_size, "max_new_tokens": max_new_tokens, "eos_token_ids": eos_token_ids}
+        if method == "ngram":
+            gen = simulate_ngram(prompts[i], continuation, n=ngram_n, **common)
+        elif method == "ddtree":
+            table = drafts[i]
+            gen = simulate_tree(
+                continuation,
+                lambda out, t=table: (t.topk_tokens[out - 1], t.topk_logprobs[out - 1]),
+                budget=ddtree_budget,
+                **common,
+            )
+        else:
+            tokens = drafts[i].tokens.tolist()
+            gen = simulate_chain(continuation, lambda out, t=tokens: t[out - 1], **common)
+        generations.append(gen)
+        if on_prompts is not None:
+            with_rounds = [g.tau for g in generations if g.num_rounds]
+            on_prompts(method, 1, sum(with_rounds) / len(with_rounds) if with_rounds else None)
+    return generations
