@@ -58,3 +58,34 @@ def test_resume_compatibility_names_the_key_and_the_fix():
     ):
         ckpt.check_resume_compatible(saved, now, [])
     ckpt.check_resume_compatible(saved, now, ["drafter.block_size"])
+
+
+def test_resume_compares_the_resolved_drafter_config():
+    recipe = {"drafter": {"block_size": 16}}
+    saved = {"block_size": 16, "dflash_config": {"mask_token_id": 7}, "dtype": "bfloat16"}
+    now = {"block_size": 16, "dflash_config": {"mask_token_id": 9}, "dtype": "float32"}  # dtype: not checked
+    with pytest.raises(
+        ValueError, match=r"drafter_config.dflash_config.mask_token_id: checkpoint 7 -> now 9"
+    ):
+        ckpt.check_resume_compatible(recipe, recipe, [], saved_drafter=saved, current_drafter=now)
+    allowed = ["drafter_config.dflash_config.mask_token_id"]
+    ckpt.check_resume_compatible(recipe, recipe, allowed, saved_drafter=saved, current_drafter=now)
+
+
+def test_every_drafter_key_but_init_from_is_checked():
+    saved = {"drafter": {"head_dim": 128, "init_from": "a"}}
+    with pytest.raises(ValueError, match=r"drafter.head_dim: checkpoint 128 -> now 64"):
+        ckpt.check_resume_compatible(saved, {"drafter": {"head_dim": 64, "init_from": "a"}}, [])
+    ckpt.check_resume_compatible(saved, {"drafter": {"head_dim": 128, "init_from": "b"}}, [])
+
+
+def test_state_shape_mismatch_becomes_a_value_error(tmp_path):
+    model = torch.nn.Linear(4, 3, bias=False)
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(
+        ValueError, match=r"another architecture.*weight: checkpoint \[2, 4\] vs now \[3, 4\]"
+    ):
+        ckpt.load_model_state(model, {"weight": torch.zeros(2, 4)}, optimizer, {}, tmp_path)
+    with pytest.raises(ValueError, match=r"not in the model: \['extra'\]"):
+        state = {"weight": torch.zeros(3, 4), "extra": torch.zeros(1)}
+        ckpt.load_model_state(model, state, optimizer, {}, tmp_path)

@@ -50,26 +50,28 @@ def confident_tiny_target(directory: Path) -> Path:
 
 
 def tiny_config(task, out_dir, *extra):
-    return load_config(
-        "tiny-cpu",
-        [
-            f"target.path={task['target']}",
-            f"data.paths=[{task['data']}]",
-            f"data.cache_dir={task['cache']}",
-            f"output_dir={out_dir}",
-            "target.target_layer_ids=[0,2]",
-            "data.seq_buckets=[64,128]",
-            "data.token_budget=256",
-            "train.num_anchors=8",
-            "train.max_steps=12",
-            "train.lr=3e-3",
-            "logging.every_steps=1",
-            "logging.progress_bar=off",
-            "checkpoint.every_steps=4",
-            "train.dist_timeout_s=120",  # a wedged 2-rank test fails in minutes, not half an hour
-            *extra,
-        ],
-    )
+    return load_config("tiny-cpu", tiny_overrides(task, out_dir, *extra))
+
+
+def tiny_overrides(task, out_dir, *extra) -> list[str]:
+    """The dotted overrides of the ``tiny-cpu`` recipe that make the tests' small fast run."""
+    return [
+        f"target.path={task['target']}",
+        f"data.paths=[{task['data']}]",
+        f"data.cache_dir={task['cache']}",
+        f"output_dir={out_dir}",
+        "target.target_layer_ids=[0,2]",
+        "data.seq_buckets=[64,128]",
+        "data.token_budget=256",
+        "train.num_anchors=8",
+        "train.max_steps=12",
+        "train.lr=3e-3",
+        "logging.every_steps=1",
+        "logging.progress_bar=off",
+        "checkpoint.every_steps=4",
+        "train.dist_timeout_s=120",  # a wedged 2-rank test fails in minutes, not half an hour
+        *extra,
+    ]
 
 
 def logged_losses(out_dir) -> dict[int, float]:

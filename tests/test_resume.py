@@ -1,0 +1,188 @@
+"""Resume continues where the run stopped: each step runs exactly once and gives the uninterrupted
+run's loss, bit for bit on CPU, after a SIGTERM, a SIGKILL of a real ``dflash-train train`` process
+or a kill in the middle of a save; a drafter that differs from the checkpoint's is refused."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_train.train import checkpoint as ckpt
+from dflash_train.train.trainer import TrainHooks, train
+from tests.train_helpers import tiny_config, tiny_overrides
+
+REPO = Path(__file__).parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture
+def task(train_task):
+    return train_task
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the subprocesses run with one thread too: same kernels, same bits
+    yield
+    torch.set_num_threads(threads)
+
+
+def metric_rows(out_dir) -> list[dict]:
+    """Every row of metrics.jsonl in order (a step logged twice appears twice)."""
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_recorder(executed: list[int], **hooks) -> TrainHooks:
+    return TrainHooks(after_step=lambda run: executed.append(run.step), **hooks)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(train_task, tmp_path_factory):
+    """Per-step losses of the uninterrupted 12-step run, from a ``dflash-train train`` process."""
+    out = tmp_path_factory.mktemp("full") / "run"
+    subprocess.run(cli_train_command(train_task, out), env=ENV, check=True, capture_output=True)
+    rows = metric_rows(out)
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    return [r["loss"] for r in rows]
+
+
+def cli_train_command(task, out_dir, *extra) -> list[str]:
+    script = Path(sys.executable).with_name("dflash-train")
+    launcher = [str(script)] if script.is_file() else [sys.executable, "-m", "dflash_train.cli"]
+    return [*launcher, "train", "tiny-cpu", *tiny_overrides(task, out_dir, *extra)]
+
+
+def test_sigterm_resume_runs_each_step_once_with_the_uninterrupted_losses(task, tmp_path, uninterrupted):
+    out = tmp_path / "run"
+
+    def sigterm_during_step_6(run):
+        if run.step == 5:  # steps done so far: the signal lands inside the 6th step
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    first, second = [], []
+    result = train(tiny_config(task, out), step_recorder(first, after_backward=sigterm_during_step_6))
+    assert result["step"] == 6 and result["export"] is None and first == [1, 2, 3, 4, 5, 6]
+    assert ckpt.latest_checkpoint(out).name == "step-00000006"
+    result = train(tiny_config(task, out), step_recorder(second))
+    assert second == list(range(7, 13)) and result["step"] == 12  # resumed, not restarted
+    rows = metric_rows(out)
+    assert [r["step"] for r in rows] == list(range(1, 13))  # each step logged exactly once
+    assert [r["loss"] for r in rows] == uninterrupted  # bit-exact on CPU
+
+
+def test_sigkill_of_a_real_train_process_restarts_bit_for_bit(task, tmp_path, uninterrupted):
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        cli_train_command(task, out), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    deadline = time.monotonic() + 300
+    while ckpt.latest_checkpoint(out) is None and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    proc.kill()  # SIGKILL: no handler runs, nothing is flushed or saved
+    stderr = proc.communicate()[1].decode()[-2000:]
+    assert proc.returncode == -signal.SIGKILL, f"the run ended before it was killed: {stderr}"
+    saved = int(ckpt.latest_checkpoint(out).name.removeprefix("step-"))
+    assert saved < 12, "the run finished before the kill; nothing was resumed"
+    logged_before = len(metric_rows(out))
+    restart = subprocess.run(cli_train_command(task, out), env=ENV, capture_output=True, text=True)
+    assert restart.returncode == 0, restart.stderr[-2000:]
+    resumed = metric_rows(out)[logged_before:]
+    assert [r["step"] for r in resumed] == list(range(saved + 1, 13))
+    assert [r["loss"] for r in resumed] == uninterrupted[saved:]
+
+
+KILL_DURING_SAVE = """
+import os, signal, sys
+from dflash_train.train import checkpoint as ckpt
+from dflash_train.train.trainer import train
+from tests.train_helpers import tiny_config
+real = ckpt._fsync_file
+def fsync_then_die(path):
+    real(path)
+    if path.name == "state.pt" and "step-00000008" in str(path.parent):
+        os.kill(os.getpid(), signal.SIGKILL)  # dies mid-save: no commit marker for step 8
+ckpt._fsync_file = fsync_then_die
+task = {"target": sys.argv[1], "data": sys.argv[2], "cache": sys.argv[3]}
+train(tiny_config(task, sys.argv[4]))
+"""
+
+
+def test_sigkill_during_a_save_resumes_from_the_last_committed_step(task, tmp_path, uninterrupted):
+    out = tmp_path / "run"
+    args = [sys.executable, "-c", KILL_DURING_SAVE, task["target"], task["data"], task["cache"], str(out)]
+    proc = subprocess.run(args, env=ENV, capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert any(p.name.startswith(".tmp-step-00000008") for p in ckpt.checkpoints_root(out).iterdir())
+    assert ckpt.latest_checkpoint(out).name == "step-00000004"
+    logged_before = len(metric_rows(out))
+    executed = []
+    assert train(tiny_config(task, out), step_recorder(executed))["step"] == 12
+    assert executed == list(range(5, 13))
+    resumed = metric_rows(out)[logged_before:]
+    assert [r["loss"] for r in resumed] == uninterrupted[4:]
+
+
+# ----------------------------------------------------------------------------- refused resumes
+
+
+@pytest.fixture(scope="module")
+def four_step_run(train_task, tmp_path_factory):
+    out = tmp_path_factory.mktemp("four") / "run"
+    train(tiny_config(train_task, out, "train.max_steps=4"))
+    return out
+
+
+def resume_copy(task, four_step_run, tmp_path, *extra):
+    """Resume a copy of the 4-step run (max_steps 4: the checks run, then nothing is left to do)."""
+    out = tmp_path / "run"
+    shutil.copytree(four_step_run, out)
+    return train(tiny_config(task, out, "train.max_steps=4", *extra))
+
+
+@pytest.mark.parametrize(
+    "change,key",
+    [
+        ("drafter.block_size=4", "drafter.block_size"),
+        ("drafter.mask_token_id=5", "drafter.mask_token_id"),
+        ("drafter.is_causal=false", "drafter.is_causal"),
+        ("drafter.sliding_window=16", "drafter.sliding_window"),
+        ("drafter.layer_types=[full_attention,full_attention]", "drafter.layer_types"),
+        ("drafter.rope_theta=500.0", "drafter.rope_theta"),
+        ("drafter.intermediate_size=64", "drafter.intermediate_size"),
+        ("drafter.preset=from-target", "drafter.preset"),
+    ],
+)
+def test_resume_refuses_a_changed_drafter_naming_the_key(task, four_step_run, tmp_path, change, key):
+    with pytest.raises(
+        ValueError, match=rf"refusing to resume: .*{key}: checkpoint .*allow_changed=\[.*{key}"
+    ):
+        resume_copy(task, four_step_run, tmp_path, change)
+
+
+def test_allowed_change_of_shape_still_fails_with_a_clear_message(task, four_step_run, tmp_path):
+    allow = "checkpoint.allow_changed=[drafter.intermediate_size,drafter_config.intermediate_size]"
+    with pytest.raises(
+        ValueError, match=r"another architecture.*mlp\.gate_proj\.weight: checkpoint \[128, 64\]"
+    ):
+        resume_copy(task, four_step_run, tmp_path, "drafter.intermediate_size=64", allow)
+
+
+def test_allowed_semantic_change_resumes(task, four_step_run, tmp_path):
+    allow = "checkpoint.allow_changed=[drafter.mask_token_id,drafter_config.dflash_config.mask_token_id]"
+    assert resume_copy(task, four_step_run, tmp_path, "drafter.mask_token_id=5", allow)["step"] == 4
+
+
+def test_changed_data_paths_resume_with_a_warning(task, four_step_run, tmp_path):
+    moved = tmp_path / "moved.jsonl"
+    shutil.copy(task["data"], moved)
+    with pytest.warns(UserWarning, match=r"changed data.paths"):
+        result = resume_copy(task, four_step_run, tmp_path, f"data.paths=[{moved}]")
+    assert result["step"] == 4
