@@ -182,7 +182,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse ``argv``, run the subcommand and print its result; a ValueError exits 1 with its message.
+    """Parse ``argv``, run the subcommand and print its result; a ValueError (or NotImplementedError,
+    a refused combination of settings) exits 1 with its message.
 
     Any other exception, an ImportError included, propagates with its traceback: it is a bug or a
     broken install, not a user error.
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     register()  # builtin:<name> target paths resolve in every subcommand
     try:
         result = args.handler(args)
-    except ValueError as err:
+    except (ValueError, NotImplementedError) as err:  # a refused setting is a user error too
         print(f"dflash-train {args.command}: error: {err}", file=sys.stderr)
         return 1
     if result is not None:

@@ -108,6 +108,17 @@ class TrainConfig:
     num_anchors: int = 512
     # Loss decay exp(-(k-1)/gamma) over block position k; 0 = 7/5/4 for block 16/10/8.
     gamma: float = 0.0
+    # Objective (docs/training.md "Loss options"): "ce" on the data's tokens, "kl" to the target's
+    # own distribution (runs the target to full depth), or "ce+kl" (their sum).
+    loss: Literal["ce", "kl", "ce+kl"] = "ce"
+    # Factor of the KL term (> 0 when train.loss has kl).
+    kl_weight: float = 1.0
+    # Teacher restricted to its top k tokens, renormalised; 0 = the full vocabulary.
+    kl_topk: int = 0
+    # Position weights: "decay" (exp(-(k-1)/gamma)) or "dpace" (D-PACE, arXiv 2605.18810).
+    loss_weighting: Literal["decay", "dpace"] = "decay"
+    # D-PACE smoothing: acceptance of a position estimated as alpha + (1 - alpha) * p(label).
+    dpace_alpha: float = 0.5
     lr: float = 6e-4
     min_lr_ratio: float = 0.0
     lr_schedule: Literal["cosine", "linear", "constant"] = "cosine"
@@ -252,6 +263,7 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(
             f"checkpoint.keep_last={cfg.checkpoint.keep_last}: keep at least 2 so a crash during a save leaves a good one."
         )
+    validate_loss_options(t)
     if t.gamma < 0 or t.loss_chunk_tokens < 1 or t.sdpa_anchor_chunk < 1:
         raise ValueError(
             "train.gamma must be >= 0 (0 = default), train.loss_chunk_tokens and train.sdpa_anchor_chunk >= 1."
@@ -272,6 +284,27 @@ def validate_target_layer_ids(target: TargetConfig) -> None:
     if ids and target.path.startswith("preset:") and name in presets.TARGET_PRESETS:
         num_layers = presets.TARGET_PRESETS[name]().num_hidden_layers
         presets.check_serving_layer_ids(ids, num_layers, target.allow_last_layer)
+
+
+def validate_loss_options(t: TrainConfig) -> None:
+    """train.loss / kl_weight / kl_topk / loss_weighting / dpace_alpha, each with its remedy."""
+    uses_kl = "kl" in t.loss.split("+")
+    if t.kl_topk < 0:
+        raise ValueError(f"train.kl_topk={t.kl_topk}: use 0 (the full vocabulary) or a k >= 1, e.g. 64.")
+    if uses_kl and t.kl_weight <= 0:
+        raise ValueError(
+            f"train.kl_weight={t.kl_weight} with train.loss={t.loss}: the KL term needs a weight > 0 (e.g. 1.0); "
+            "for no KL use train.loss=ce."
+        )
+    if not 0 <= t.dpace_alpha <= 1:
+        raise ValueError(
+            f"train.dpace_alpha={t.dpace_alpha}: use a value in [0, 1] (the paper's default is 0.5)."
+        )
+    if uses_kl and t.placement == "split":
+        raise NotImplementedError(
+            f"train.loss={t.loss} with train.placement=split: streaming the target's final hidden states to the "
+            "drafter ranks is not implemented; use train.placement=colocated for a KL loss, or train.loss=ce."
+        )
 
 
 # ----------------------------------------------------------------------------- loading

@@ -238,3 +238,102 @@ def test_compiled_terms_match_eager_on_cuda(name):
         results.append((loss, torch.autograd.grad(loss, h)[0], stats["top1"], stats["weight"]))
     for eager, fused in zip(results[0], results[1], strict=True):
         torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the teacher
+
+
+@pytest.mark.parametrize("fixture", ["tiny_hybrid_dir", "tiny_qwen3_dir"])
+def test_teacher_hidden_is_the_final_norm_output_that_gives_the_target_logits(request, fixture):
+    from dflash_train.config import TargetConfig
+    from dflash_train.models.target import load_target
+
+    target = load_target(
+        TargetConfig(path=str(request.getfixturevalue(fixture)), dtype="float32", target_layer_ids=[0, 1]),
+        "cpu",
+    )
+    ids = torch.randint(0, target.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    truncated = target.features(ids)
+    with torch.no_grad():  # a non-trivial final norm, so a pre-norm teacher cannot pass
+        target.decoder.norm.weight.add_(
+            torch.rand(target.hidden_size, generator=torch.Generator().manual_seed(1))
+        )
+        logits = target.model(input_ids=ids).logits
+    features, final_hidden = target.features(ids, with_final_hidden=True)
+    torch.testing.assert_close(features, truncated)  # the features do not depend on the depth run
+    torch.testing.assert_close(final_hidden @ target.lm_head.weight.t(), logits, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        target.decoder.norm.weight.mul_(0.5)
+    _, renormed = target.features(ids, with_final_hidden=True)
+    assert not torch.allclose(renormed, final_hidden)
+
+
+def test_a_target_built_only_to_its_feature_layers_refuses_to_be_a_teacher():
+    from dflash_train.config import TargetConfig
+    from dflash_train.models.target import load_target
+
+    cfg = TargetConfig(path="preset:tiny-hybrid", dtype="float32", target_layer_ids=[0, 1])
+    target = load_target(cfg, "cpu", truncate_unused_layers=True)
+    ids = torch.zeros(1, 4, dtype=torch.long)
+    assert target.features(ids).shape[0] == 1  # features still work
+    with pytest.raises(ValueError, match="needs the final layers"):
+        target.features(ids, with_final_hidden=True)
+
+
+# ----------------------------------------------------------------------------- config and trainer
+
+
+@pytest.mark.parametrize(
+    "override,error,match",
+    [
+        ("train.loss=mse", ValueError, r"use one of \['ce', 'kl', 'ce\+kl'\]"),
+        ("train.loss_weighting=focal", ValueError, r"\['decay', 'dpace'\]"),
+        ("train.kl_topk=-1", ValueError, "train.kl_topk=-1"),
+        ("train.dpace_alpha=1.5", ValueError, r"train.dpace_alpha=1.5: use a value in \[0, 1\]"),
+    ],
+)
+def test_bad_loss_options_are_refused_with_a_remedy(override, error, match):
+    from dflash_train.config import load_config
+
+    with pytest.raises(error, match=match):
+        load_config("tiny-cpu", ["output_dir=/tmp/x", override])
+
+
+def test_kl_needs_a_positive_weight_and_colocated_placement():
+    from dflash_train.config import load_config
+
+    with pytest.raises(ValueError, match="kl_weight=0.0 with train.loss=ce\\+kl"):
+        load_config("tiny-cpu", ["output_dir=/tmp/x", "train.loss=ce+kl", "train.kl_weight=0"])
+    load_config("tiny-cpu", ["output_dir=/tmp/x", "train.kl_weight=0"])  # unused without KL: fine
+    with pytest.raises(NotImplementedError, match="placement=colocated for a KL loss"):
+        load_config(
+            "tiny-cpu",
+            ["output_dir=/tmp/x", "train.loss=kl", "train.placement=split", "train.target_ranks=1"],
+        )
+
+
+def test_training_with_kl_runs_the_target_to_full_depth_and_dpace_trains(train_task, tmp_path, monkeypatch):
+    from dflash_train.models.target import FrozenTarget
+    from dflash_train.train.trainer import train
+    from tests.train_helpers import logged_losses, tiny_config
+
+    calls = []
+    real = FrozenTarget.features
+    monkeypatch.setattr(
+        FrozenTarget,
+        "features",
+        lambda self, *a, **kw: calls.append(kw.get("with_final_hidden")) or real(self, *a, **kw),
+    )
+    steps = ["train.max_steps=3", "checkpoint.every_steps=100"]
+    losses = {}
+    for name, extra in {
+        "ce": [],
+        "kl": ["train.loss=kl"],
+        "ce+kl+dpace": ["train.loss=ce+kl", "train.kl_topk=8", "train.loss_weighting=dpace"],
+    }.items():
+        calls.clear()
+        train(tiny_config(train_task, tmp_path / name, *steps, *extra))
+        losses[name] = logged_losses(tmp_path / name)
+        assert all(math.isfinite(v) for v in losses[name].values())
+        assert calls and all(calls) == ("kl" in name) and any(calls) == ("kl" in name)
+    assert losses["kl"][1] != losses["ce"][1] != losses["ce+kl+dpace"][1]

@@ -85,6 +85,9 @@ class FrozenTarget:
         self.hidden_size = int(self.config.hidden_size)
         self.vocab_size = int(self.config.vocab_size)
         self.kernels = dict(kernels) if kernels is not None else bound_kernels(model)
+        # True when only the layers up to max(target_layer_ids) were built (benchmarks): the model
+        # then has no real final layers, so it cannot serve as a KL teacher.
+        self.built_truncated = False
 
     @property
     def device(self) -> torch.device:
@@ -95,7 +98,13 @@ class FrozenTarget:
         return self.embed_tokens.weight.dtype
 
     @torch.no_grad()
-    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def features(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        with_final_hidden: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Outputs of layers ``target_layer_ids`` concatenated in that order: [R, L] ids -> [R, L, n*H].
 
         Runs the model's own decoder forward (its masks, rotary embedding and padding handling for
@@ -103,19 +112,34 @@ class FrozenTarget:
         norm skipped, so no later layer, final norm or LM head runs and no KV/recurrent cache is
         built. ``no_grad`` rather than ``inference_mode``: the drafter saves these features for its
         backward, which inference tensors forbid. Only the returned tensor outlives the call.
+
+        ``with_final_hidden`` (a KL teacher) runs every layer and the final norm instead and returns
+        ``(features, final_hidden [R, L, H])``: the decoder output after its final norm, which the LM
+        head turns into the target's own next-token logits.
         """
+        if with_final_hidden and self.built_truncated:
+            raise ValueError(
+                "this target was built only up to its feature layers (truncate_unused_layers); a KL teacher "
+                "needs the final layers and norm: load it whole."
+            )
         captured: dict[int, torch.Tensor] = {}
         handles = [
             self.decoder.layers[i].register_forward_hook(capture_output_into(captured, i))
             for i in set(self.target_layer_ids)
         ]
+        depth = (
+            contextlib.nullcontext()
+            if with_final_hidden
+            else run_only_first_layers(self.decoder, max(self.target_layer_ids) + 1)
+        )
         try:
-            with run_only_first_layers(self.decoder, max(self.target_layer_ids) + 1):
-                self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            with depth:
+                output = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         finally:
             for handle in handles:
                 handle.remove()
-        return torch.cat([captured[i] for i in self.target_layer_ids], dim=-1)
+        features = torch.cat([captured[i] for i in self.target_layer_ids], dim=-1)
+        return (features, output.last_hidden_state) if with_final_hidden else features
 
 
 def check_layer_ids(target_layer_ids: list[int], num_layers: int) -> list[int]:
@@ -283,7 +307,9 @@ def load_target(
         layer_ids = resolve_target_layer_ids(cfg, num_layers, num_target_features)
     if compile_regions and device.type == "cuda":
         compile_target_regions(model)
-    return FrozenTarget(model, tokenizer, layer_ids, kernels=kernels)
+    target = FrozenTarget(model, tokenizer, layer_ids, kernels=kernels)
+    target.built_truncated = num_hidden_layers is not None
+    return target
 
 
 def load_target_head(cfg: TargetConfig, device: str | torch.device) -> FrozenTarget:
@@ -304,6 +330,7 @@ def load_target_head(cfg: TargetConfig, device: str | torch.device) -> FrozenTar
         layer_ids = resolve_target_layer_ids(cfg, presets.text_config(model.config).num_hidden_layers, None)
         target = FrozenTarget(model, load_tokenizer(cfg.path, cfg.trust_remote_code), layer_ids, kernels={})
     target.decoder.layers = nn.ModuleList()
+    target.built_truncated = True  # no decoder layers here: never a KL teacher
     target.embed_tokens.to(device)
     target.lm_head.to(device)
     return target
