@@ -64,10 +64,7 @@ def save_drafter(
     torch_dtype = _torch_dtype(dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        name: tensor.detach().to(device="cpu", dtype=torch_dtype).contiguous()
-        for name, tensor in drafter.state_dict().items()
-    }
+    tensors = serving_state(drafter, torch_dtype)
     serving = config.to_serving_dict()
     serving["torch_dtype"] = serving["dtype"] = dtype
     _write_atomically(out / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
@@ -76,6 +73,16 @@ def save_drafter(
     if announce:
         print(notes, end="", flush=True)
     return out
+
+
+def serving_state(drafter: DFlashDrafter, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors of the serving layout: the drafter's state dict in ``dtype`` (a meta-device drafter
+    gives meta tensors: names and shapes without memory, for checking the 27B layout)."""
+    device = "meta" if next(drafter.parameters()).is_meta else "cpu"
+    return {
+        name: tensor.detach().to(device=device, dtype=dtype).contiguous()
+        for name, tensor in drafter.state_dict().items()
+    }
 
 
 def _read_tensors(path: Path, device: str) -> dict[str, torch.Tensor]:

@@ -1,0 +1,209 @@
+"""Guards that keep a trained drafter servable as it was trained: feature layer ids, the last
+layer, in-block causality, the serving flags written next to an export, and ``drafter.init_from``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_train.cli import main as cli_main
+from dflash_train.config import DrafterConfig, load_config
+from dflash_train.models import presets
+from dflash_train.models.drafter import DFlashDrafter
+from dflash_train.models.drafter_config import DFlashDraftConfig
+from dflash_train.models.export import save_drafter
+from dflash_train.train.trainer import TrainHooks, train
+from tests.train_helpers import tiny_config
+
+# ----------------------------------------------------------------------------- feature layer ids
+
+
+def test_documented_defaults_stay():
+    assert presets.default_target_layer_ids(64) == [1, 16, 31, 46, 61]
+    assert presets.default_target_layer_ids(36) == [1, 9, 17, 25, 33]
+
+
+@pytest.mark.parametrize("num_layers", range(2, 13))
+@pytest.mark.parametrize("num_features", [1, 2, 3, 5])
+def test_defaults_are_distinct_ascending_and_avoid_the_last_layer(num_layers, num_features):
+    ids = presets.default_target_layer_ids(num_layers, num_features)
+    assert ids == sorted(set(ids)) and len(ids) == min(num_features, num_layers - 1)
+    presets.check_serving_layer_ids(ids, num_layers)  # the default always passes the guard
+
+
+def test_tiny_targets_no_longer_repeat_a_layer():
+    assert presets.default_target_layer_ids(4) == [0, 1, 2]  # was [1, 1, 1, 1, 1]
+    assert presets.default_target_layer_ids(3, 2) == [0, 1]  # was [1, 0]
+
+
+@pytest.mark.parametrize(
+    "ids,message",
+    [
+        ([1, 1, 2], "strictly increasing and distinct.*repeated id crashes"),
+        ([2, 1], "strictly increasing.*silently permutes.*use \\[1, 2\\]"),
+        ([0, 4], "within \\[0, 3\\]"),
+        ([], "within"),
+        ([1, 3], "last layer 3.*before or after the final norm.*target.allow_last_layer=true"),
+    ],
+)
+def test_serving_layer_id_guard(ids, message):
+    with pytest.raises(ValueError, match=message):
+        presets.check_serving_layer_ids(ids, 4)
+
+
+def test_last_layer_is_allowed_when_asked():
+    assert presets.check_serving_layer_ids([1, 3], 4, allow_last_layer=True) == [1, 3]
+
+
+def base(*overrides):
+    return load_config(None, ["output_dir=x", "target.path=preset:qwen3.6-27b", *overrides])
+
+
+def test_config_checks_ids_where_the_depth_is_known():
+    with pytest.raises(ValueError, match="strictly increasing"):
+        load_config(None, ["output_dir=x", "target.path=/some/checkpoint", "target.target_layer_ids=[3,3]"])
+    with pytest.raises(ValueError, match="last layer 63"):
+        base("target.target_layer_ids=[1,16,31,46,63]")
+    with pytest.raises(ValueError, match="within \\[0, 63\\]"):
+        base("target.target_layer_ids=[1,64]")
+    assert base("target.target_layer_ids=[1,63]", "target.allow_last_layer=true").target.allow_last_layer
+
+
+def test_drafter_config_refuses_unsorted_ids():
+    with pytest.raises(ValueError, match="strictly increasing"):
+        DFlashDraftConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=320,
+            num_target_layers=4,
+            target_layer_ids=[2, 0],
+            mask_token_id=3,
+        )
+
+
+@pytest.fixture
+def task(train_task):
+    return train_task
+
+
+def test_training_refuses_the_last_layer_at_target_load(task, tmp_path):
+    cfg = tiny_config(
+        task, tmp_path / "run", "target.target_layer_ids=[0,3]", "target.allow_last_layer=false"
+    )
+    with pytest.raises(ValueError, match="last layer 3"):
+        train(cfg)
+
+
+def test_is_causal_false_with_sliding_layers_warns_about_sglang():
+    with pytest.warns(UserWarning, match="SGLang ignores is_causal"):
+        presets.resolve_drafter_config(
+            DrafterConfig(preset="tiny", is_causal=False),
+            presets.tiny_hybrid_target_config(),
+            mask_token_id=3,
+        )
+
+
+# ----------------------------------------------------------------------------- SERVING.md
+
+
+def tiny_drafter_config(**changes) -> DFlashDraftConfig:
+    config = presets.resolve_drafter_config(
+        DrafterConfig(preset="tiny", block_size=4),
+        presets.tiny_hybrid_target_config(),
+        target_layer_ids=[0, 2],
+        mask_token_id=300,
+        torch_dtype="float32",
+    )
+    for key, value in changes.items():
+        setattr(config, key, value)
+    return config
+
+
+def test_export_writes_the_exact_serving_flags(tmp_path):
+    config = tiny_drafter_config()  # block 4, sliding + full layers
+    out = save_drafter(DFlashDrafter(config), config, tmp_path / "export", target="org/target")
+    notes = (out / "SERVING.md").read_text()
+    assert "--speculative-algorithm DFLASH" in notes and "--speculative-num-draft-tokens 4" in notes
+    assert f"--speculative-draft-model-path {out.resolve()}" in notes
+    assert '"method": "dflash"' in notes and '"num_speculative_tokens": 3' in notes
+    assert "VLLM_USE_V2_MODEL_RUNNER=1 vllm serve org/target" in notes  # mixed layer types
+
+
+def test_all_full_layers_need_no_v2_runner_and_warnings_are_written(tmp_path):
+    full = tiny_drafter_config(layer_types=["full_attention"] * 2)
+    notes = (save_drafter(DFlashDrafter(full), full, tmp_path / "a") / "SERVING.md").read_text()
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in notes and "Notes:" not in notes
+    odd = tiny_drafter_config(is_causal=False, target_layer_ids=[0, 3])
+    notes = (save_drafter(DFlashDrafter(odd), odd, tmp_path / "b") / "SERVING.md").read_text()
+    assert "SGLang ignores it" in notes and "last layer 3" in notes
+
+
+def test_export_command_prints_the_flags(tmp_path, capsys):
+    config = tiny_drafter_config()
+    step = tmp_path / "step-5"
+    step.mkdir()
+    (step / "drafter_config.json").write_text(json.dumps(config.to_serving_dict()))
+    torch.manual_seed(0)
+    save_file(
+        {k: v.contiguous() for k, v in DFlashDrafter(config).state_dict().items()},
+        str(step / "drafter.safetensors"),
+    )
+    (step / "config.yaml").write_text("target:\n  path: org/my-target\n")
+    (step / "COMMITTED").write_text("")
+    assert cli_main(["export", str(step), str(tmp_path / "out"), "--json"]) == 0
+    printed = capsys.readouterr().out
+    assert "--speculative-num-draft-tokens 4" in printed and "--model-path org/my-target" in printed
+    result = json.loads(printed.strip().splitlines()[-1])
+    assert result["serving"] == str(tmp_path / "out" / "SERVING.md")
+
+
+def test_training_writes_serving_md_next_to_its_export(task, tmp_path):
+    result = train(tiny_config(task, tmp_path / "run", "train.max_steps=1"))
+    notes = (tmp_path / "run" / "export" / "SERVING.md").read_text()
+    assert result["export"] and f"--model-path {task['target']}" in notes
+    assert "--speculative-num-draft-tokens 8" in notes  # the tiny-cpu recipe's block size
+
+
+# ----------------------------------------------------------------------------- drafter.init_from
+
+
+@pytest.fixture(scope="module")
+def exported(train_task, tmp_path_factory):
+    out = tmp_path_factory.mktemp("init") / "run"
+    train(tiny_config(train_task, out, "train.max_steps=1"))
+    return out / "export"
+
+
+@pytest.mark.parametrize(
+    "change,key",
+    [
+        ("drafter.block_size=4", "block_size"),
+        ("drafter.mask_token_id=5", "dflash_config.mask_token_id"),
+        ("target.target_layer_ids=[1,2]", "dflash_config.target_layer_ids"),
+        ("drafter.layer_types=[full_attention,full_attention]", "layer_types"),
+    ],
+)
+def test_init_from_refuses_an_export_of_another_drafter(task, tmp_path, exported, change, key):
+    cfg = tiny_config(task, tmp_path / "run", "train.max_steps=1", f"drafter.init_from={exported}", change)
+    with pytest.raises(ValueError, match=rf"drafter.init_from=.*differs.*{key}: export"):
+        train(cfg)
+
+
+def test_init_from_a_matching_export_starts_from_its_weights(task, tmp_path, exported):
+    seen = {}
+
+    def before_the_first_update(run):
+        seen.update({n: p.detach().clone() for n, p in run.model.named_parameters()})
+
+    cfg = tiny_config(task, tmp_path / "run", "train.max_steps=1", f"drafter.init_from={exported}")
+    train(cfg, TrainHooks(after_backward=before_the_first_update))
+    weights = load_file(str(exported / "model.safetensors"))
+    assert set(seen) == set(weights)
+    assert all(torch.equal(seen[name], weights[name].float()) for name in weights)
