@@ -36,9 +36,32 @@ def cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
-    from dflash_train.eval.runner import run_eval
+    from dflash_train.eval.command import run_eval
+    from dflash_train.eval.options import EvalOptions
 
-    return run_eval(args)
+    options = EvalOptions(
+        target=args.target,
+        drafter=args.drafter,
+        prompts=list(args.prompts),
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        num_prompts=args.num_prompts,
+        thinking=args.thinking,
+        baseline=args.baseline,
+        ngram_n=args.ngram_n,
+        ddtree_budget=args.ddtree_budget,
+        ddtree_topk=args.ddtree_topk,
+        tau_mode=args.tau_mode,
+        decode_prompts=args.decode_prompts,
+        dtype=args.dtype,
+        batch_size=args.batch_size,
+        max_bad_rows=args.max_bad_rows,
+        output_dir=args.output_dir,
+        progress=not args.no_progress,
+        device=args.device,
+        seed=args.seed,
+    )
+    return run_eval(options)
 
 
 def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -101,16 +124,43 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("eval", cmd_eval, "Speculative decoding with target + drafter: tau, lossless check, tokens/s.")
     p.add_argument("--target", required=True, help="target checkpoint directory or hub id")
     p.add_argument("--drafter", required=True, help="exported drafter directory or training checkpoint")
-    p.add_argument("--prompts", required=True, help="JSONL of chat rows or {'prompt': ...} rows")
+    p.add_argument(
+        "--prompts",
+        required=True,
+        nargs="+",
+        help="JSONL files of chat rows (messages / ShareGPT) or {'prompt': ...} rows; one table each",
+    )
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--num-prompts", type=int, default=0, help="use only the first N prompts (0 = all)")
+    p.add_argument(
+        "--num-prompts", type=int, default=0, help="use only the first N prompts of each file (0 = all)"
+    )
     p.add_argument("--thinking", choices=["on", "off", "default"], default="default")
     p.add_argument("--baseline", choices=["none", "ngram"], default="none")
     p.add_argument("--ngram-n", type=int, default=3)
     p.add_argument(
         "--ddtree-budget", type=int, default=0, help="tree drafting with this many nodes (0 = chain)"
     )
+    p.add_argument("--ddtree-topk", type=int, default=8, help="candidates per draft position in the tree")
+    p.add_argument(
+        "--tau-mode",
+        choices=["auto", "exact", "decode"],
+        default="auto",
+        help="exact: batched greedy continuation + simulated rounds (auto at T=0); decode: real decoding",
+    )
+    p.add_argument(
+        "--decode-prompts",
+        type=int,
+        default=0,
+        help="exact mode: also decode the first N prompts of each file (lossless check, tokens/s)",
+    )
+    p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
+    p.add_argument(
+        "--batch-size", type=int, default=0, help="prompts per batched pass (0 = 32 on GPU, 8 on CPU)"
+    )
+    p.add_argument("--max-bad-rows", type=int, default=0, help="skip up to N bad prompt rows")
+    p.add_argument("--output-dir", default="", help="write eval.json and acceptance.png here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
 
@@ -139,6 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=False)
     p.add_argument("--loss-chunk-tokens", type=int, default=2048)
+    p.add_argument(
+        "--loss",
+        choices=["ce", "kl", "ce+kl"],
+        default="ce",
+        help="train.loss; kl/ce+kl run the target to full depth and a teacher LM head per chunk",
+    )
     p.add_argument(
         "--drafter-only", action="store_true", help="time the drafter step alone on random features"
     )
