@@ -337,3 +337,20 @@ def test_training_with_kl_runs_the_target_to_full_depth_and_dpace_trains(train_t
         assert all(math.isfinite(v) for v in losses[name].values())
         assert calls and all(calls) == ("kl" in name) and any(calls) == ("kl" in name)
     assert losses["kl"][1] != losses["ce"][1] != losses["ce+kl+dpace"][1]
+
+
+@pytest.mark.parametrize("drafter_only", [False, True])
+def test_bench_measures_the_kl_teacher(drafter_only):
+    """``dflash-train bench --loss kl`` builds the whole target and counts the teacher's work."""
+    from dflash_train.cli import build_parser
+
+    base = ["bench", "--preset", "tiny", "--steps", "1", "--warmup", "0", "--device", "cpu"]
+    base += ["--drafter-only"] if drafter_only else []
+    results = {}
+    for loss in ("ce", "kl"):
+        args = build_parser().parse_args([*base, "--loss", loss])
+        results[loss] = args.handler(args)
+    assert results["kl"]["objective"] == "kl" and math.isfinite(results["kl"]["loss"])
+    assert results["kl"]["loss"] != results["ce"]["loss"]
+    if not drafter_only:
+        assert results["kl"]["tflop_per_step"] > results["ce"]["tflop_per_step"]

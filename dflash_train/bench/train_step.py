@@ -89,6 +89,7 @@ def bench_config(args: argparse.Namespace):
         f"train.attention_backend={args.attention_backend}",
         f"train.activation_checkpointing={str(args.activation_checkpointing).lower()}",
         f"train.loss_chunk_tokens={args.loss_chunk_tokens}",
+        f"train.loss={getattr(args, 'loss', 'ce')}",
         f"train.compile={str(compile_drafter).lower()}",
         f"data.seq_buckets=[{seq_len}]",
         f"data.token_budget={seq_len * args.rows}",
@@ -117,6 +118,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.drafter_only:
         flops["total"] -= flops["target"]
+    elif cfg.train.loss != "ce":
+        flops["total"] += teacher_flops(run.target.config, run.draft_config, seq_len, anchors, args.rows)
     device = run.info.device
     return {
         "preset": args.preset,
@@ -126,6 +129,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "num_anchors": anchors,
         "block_size": run.draft_config.block_size,
         "drafter_only": bool(args.drafter_only),
+        "objective": cfg.train.loss,
         "attention_backend": "flex"
         if (args.attention_backend == "auto" and device.type == "cuda")
         else (args.attention_backend if args.attention_backend != "auto" else "sdpa"),
@@ -153,16 +157,18 @@ def build_bench_run(
 
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
     torch.manual_seed(0)
+    uses_kl = cfg.train.loss != "ce"  # a KL teacher needs the whole target, final norm included
     if target is None:
         target = load_target(
-            cfg.target, device, truncate_unused_layers=True, compile_regions=cfg.target.compile
+            cfg.target, device, truncate_unused_layers=not uses_kl, compile_regions=cfg.target.compile
         )
     draft_config, model = build_drafter(cfg, target, info)
     optimizer = build_optimizer(model, cfg, info)
     data = SyntheticData(rows, seq_len, target.vocab_size, device)
     if drafter_only:
-        features = target.features(data.batch.input_ids, data.batch.attention_mask)
-        target.features = lambda ids, mask: features  # time the drafter side alone
+        kwargs = {"with_final_hidden": True} if uses_kl else {}
+        features = target.features(data.batch.input_ids, data.batch.attention_mask, **kwargs)
+        target.features = lambda ids, mask, **kw: features  # time the drafter side alone
     return Run(
         cfg=cfg,
         info=info,
@@ -174,6 +180,21 @@ def build_bench_run(
         data=data,
         total_steps=1_000_000,
     )
+
+
+def teacher_flops(target_config, draft_config, seq_len: int, num_anchors: int, rows: int) -> float:
+    """What a KL loss adds to a step: the target layers after max(target_layer_ids) and the
+    teacher's LM-head forward over every block token."""
+    from dflash_train.models.presets import text_config
+    from dflash_train.train.flops import target_layer_flops
+
+    tc = text_config(target_config)
+    first = max(draft_config.target_layer_ids) + 1
+    layers = sum(target_layer_flops(tc, i, seq_len) for i in range(first, tc.num_hidden_layers))
+    head = (
+        2.0 * num_anchors * (draft_config.block_size - 1) * draft_config.hidden_size * draft_config.vocab_size
+    )
+    return rows * (layers + head)
 
 
 def time_train_steps(run, steps: int, warmup: int) -> dict[str, float]:
