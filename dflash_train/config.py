@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -299,6 +300,16 @@ def validate_loss_options(t: TrainConfig) -> None:
     if not 0 <= t.dpace_alpha <= 1:
         raise ValueError(
             f"train.dpace_alpha={t.dpace_alpha}: use a value in [0, 1] (the paper's default is 0.5)."
+        )
+    unused = {
+        "train.gamma": t.loss_weighting == "dpace" and t.gamma != 0,
+        "train.kl_topk": not uses_kl and t.kl_topk != 0,
+    }
+    ignored = [key for key, is_unused in unused.items() if is_unused]
+    if ignored:
+        warnings.warn(
+            f"{', '.join(ignored)} set but unused with train.loss={t.loss}, train.loss_weighting={t.loss_weighting}",
+            stacklevel=3,
         )
     if uses_kl and t.placement == "split":
         raise NotImplementedError(

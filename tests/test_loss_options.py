@@ -354,3 +354,12 @@ def test_bench_measures_the_kl_teacher(drafter_only):
     assert results["kl"]["loss"] != results["ce"]["loss"]
     if not drafter_only:
         assert results["kl"]["tflop_per_step"] > results["ce"]["tflop_per_step"]
+
+
+def test_a_loss_setting_the_chosen_options_ignore_warns():
+    from dflash_train.config import load_config
+
+    with pytest.warns(UserWarning, match="train.gamma set but unused"):
+        load_config("tiny-cpu", ["output_dir=/tmp/x", "train.loss_weighting=dpace", "train.gamma=5"])
+    with pytest.warns(UserWarning, match="train.kl_topk set but unused with train.loss=ce"):
+        load_config("tiny-cpu", ["output_dir=/tmp/x", "train.kl_topk=8"])
