@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dflash_train.config import DrafterConfig
 from dflash_train.models import presets
-from dflash_train.models.drafter import DFlashDrafter, block_labels
+from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.masks import ChunkedSdpaAttention, LayerMaskSpec, build_flex_block_mask
 
 # Eager flex attention warns that it is unfused; expected on CPU.
@@ -332,14 +332,6 @@ def test_padded_anchors_are_finite_and_harmless(batch):
             alone = drafter.forward_train(features, ids, anchors[:, :-3], keep[:, :-3], embed, backend, 2)
         assert torch.isfinite(out).all()
         torch.testing.assert_close(out[:, :-3], alone, atol=2e-5, rtol=1e-5)
-
-
-def test_block_labels_are_same_position():
-    ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
-    anchors = torch.tensor([[1, 4]])
-    labels = block_labels(ids, anchors, 4)
-    # Block position k of anchor a is scored against ids[a + k]; -100 past the end.
-    assert labels.tolist() == [[[11, 12, 13, 14], [14, 15, -100, -100]]]
 
 
 # ---------------------------------------------------------------------------------------------

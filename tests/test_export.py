@@ -223,3 +223,34 @@ def test_export_refuses_uncommitted_checkpoint(tmp_path):
         export_checkpoint(tmp_path / "step-3", tmp_path / "out")
     with pytest.raises(ValueError, match="neither a committed checkpoint"):
         export_checkpoint(tmp_path, tmp_path / "out")
+
+
+def randomized(drafter: DFlashDrafter, seed: int = 0) -> DFlashDrafter:
+    """Every parameter random, norms included: all-ones norms would hide two norm tensors swapped."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in drafter.parameters():
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.5 + 1.0)
+    return drafter
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_roundtrip_with_random_norms_keeps_every_tensor(tmp_path, dtype):
+    config = tiny_config()
+    drafter = randomized(DFlashDrafter(config))
+    save_drafter(drafter, config, tmp_path, dtype=dtype)
+    loaded, _ = load_drafter(tmp_path, dtype="float32")
+    original = {k: v.to(getattr(torch, dtype)).float() for k, v in drafter.state_dict().items()}
+    reloaded = loaded.state_dict()
+    assert set(reloaded) == set(original) == expected_names(2)
+    for name, tensor in original.items():
+        torch.testing.assert_close(reloaded[name], tensor, atol=0, rtol=0, msg=name)
+    assert not torch.equal(
+        original["layers.0.input_layernorm.weight"], original["layers.0.post_attention_layernorm.weight"]
+    )
+    if dtype == "float32":
+        inputs = tiny_inputs()
+        with torch.no_grad():
+            torch.testing.assert_close(
+                loaded.forward_train(*inputs), drafter.forward_train(*inputs), atol=0, rtol=0
+            )

@@ -169,18 +169,6 @@ def block_positions(anchors: Tensor, block_size: int) -> Tensor:
     return anchors[..., None] + torch.arange(block_size, device=anchors.device)
 
 
-def block_labels(input_ids: Tensor, anchors: Tensor, block_size: int) -> Tensor:
-    """Labels [R, A, B]: block position k is scored against ids[a+k] (same position, no shift).
-
-    -100 where a+k >= L. Position 0 holds ids[a] (the anchor itself), which the loss never scores
-    (its weight is 0).
-    """
-    seq_len = input_ids.shape[1]
-    positions = block_positions(anchors, block_size)
-    labels = input_ids.gather(1, positions.clamp(max=seq_len - 1).flatten(1)).view_as(positions)
-    return labels.masked_fill(positions >= seq_len, -100)
-
-
 class DFlashDrafter(nn.Module):
     """DFlash draft model; parameter names are exactly the serving tensor names (DESIGN.md section 3)."""
 
