@@ -153,13 +153,16 @@ def test_eval_command_end_to_end(tiny_qwen3_dir, tmp_path, capsys):
             "--max-new-tokens", "9",
             "--baseline", "ngram",
             "--ddtree-budget", "6",
+            "--decode-prompts", "3",
             "--device", "cpu",
             "--json",
         ]
     )  # fmt: skip
     assert code == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert result["lossless"] is True and result["num_prompts"] == 3
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["lossless"] is True and result["num_prompts"] == 3 and result["tau_mode"] == "exact"
+    assert "lossless: yes" in out and "overall" in out
     for key in ("tau", "ngram_tau", "ddtree_tau"):
         assert 1.0 <= result[key] <= BLOCK
     assert len(result["per_position_acceptance"]) == BLOCK - 1

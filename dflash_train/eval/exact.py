@@ -182,16 +182,47 @@ def exact_acceptance(
     ddtree_topk: int = 8,
     drafter_batch_tokens: int = 65536,
     pad_token_id: int = 0,
-    on_prompts: Callable[[str, int, float | None], None] | None = None,
+    on_progress: Callable[[str, int, float | None], None] | None = None,
 ) -> dict[str, Any]:
     """Exact greedy tau of every method on ``prompts`` given the target's greedy ``continuations``.
 
-    ``target`` is a ``FrozenTarget`` or a HF causal LM (its ``features`` capture the drafter's
-    ``target_layer_ids``); ``drafter`` the DFlash module (wrapped is fine: it is called as a module,
-    so DDP/FSDP hooks run; under FSDP call it on every rank with the same prompts). Returns
-    ``{"methods": {name: summary}, "timings": {...}}`` with the summaries of ``summarize_rounds``.
-    ``on_prompts(method, num_done, running_tau)`` reports progress.
+    ``target`` is a ``FrozenTarget`` or a HF causal LM (features of the drafter's
+    ``target_layer_ids`` are captured as in training); ``drafter`` the DFlash module (a DDP/FSDP
+    wrapper is fine: it is called as a module, so the wrapper's hooks run; under FSDP call this on
+    every rank with the same prompts, so every rank makes the same drafter calls). ``continuations``
+    come from ``generate.greedy_continuations`` with the same ``max_new_tokens`` and EOS ids; the
+    target is frozen, so a caller evaluating repeatedly generates them once. Returns
+    ``{"methods": {name: summarize_rounds(...)}, "timings": {"features", "drafter", "simulation"}}``
+    (seconds). ``on_progress(phase, num_done, running_tau)`` reports progress.
     """
+    generations, timings = exact_generations(
+        target, drafter, prompts, continuations,
+        max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, methods=methods, ngram_n=ngram_n,
+        ddtree_budget=ddtree_budget, ddtree_topk=ddtree_topk, drafter_batch_tokens=drafter_batch_tokens,
+        pad_token_id=pad_token_id, on_progress=on_progress,
+    )  # fmt: skip
+    block_size = drafter_config(drafter).block_size
+    summaries = {name: summarize_rounds(gens, block_size) for name, gens in generations.items()}
+    return {"methods": summaries, "timings": timings}
+
+
+def exact_generations(
+    target,
+    drafter: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    continuations: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    eos_token_ids: Collection[int],
+    methods: Sequence[str] = ("dflash",),
+    ngram_n: int = 3,
+    ddtree_budget: int = 0,
+    ddtree_topk: int = 8,
+    drafter_batch_tokens: int = 65536,
+    pad_token_id: int = 0,
+    on_progress: Callable[[str, int, float | None], None] | None = None,
+) -> tuple[dict[str, list[Generation]], dict[str, float]]:
+    """Per method, one simulated ``Generation`` per prompt (see ``exact_acceptance``), and timings."""
     unknown = [m for m in methods if m not in EXACT_METHODS]
     if unknown:
         raise ValueError(f"unknown eval methods {unknown}; use some of {list(EXACT_METHODS)}")
@@ -214,18 +245,26 @@ def exact_acceptance(
             budget=drafter_batch_tokens,
             pad_token_id=pad_token_id,
             timings=timings,
-            on_rows=None if on_prompts is None else lambda n: on_prompts("drafter", n, None),
+            on_rows=None if on_progress is None else lambda n: on_progress("drafter", n, None),
         )
     started = time.perf_counter()
-    summaries = {}
-    for method in methods:
-        generations = simulate_method(
-            method, prompts, continuations, drafts, config.block_size, max_new_tokens, eos_token_ids,
-            ngram_n=ngram_n, ddtree_budget=ddtree_budget, on_prompts=on_prompts,
+    generations = {
+        method: simulate_method(
+            method,
+            prompts,
+            continuations,
+            drafts,
+            config.block_size,
+            max_new_tokens,
+            eos_token_ids,
+            ngram_n=ngram_n,
+            ddtree_budget=ddtree_budget,
+            on_progress=on_progress,
         )  # fmt: skip
-        summaries[method] = summarize_rounds(generations, config.block_size)
+        for method in methods
+    }
     timings["simulation"] = time.perf_counter() - started
-    return {"methods": summaries, "timings": timings}
+    return generations, timings
 
 
 def draft_all(
@@ -267,7 +306,7 @@ def simulate_method(
     *,
     ngram_n: int,
     ddtree_budget: int,
-    on_prompts: Callable[[str, int, float | None], None] | None = None,
+    on_progress: Callable[[str, int, float | None], None] | None = None,
 ) -> list[Generation]:
     """Host simulation of ``method`` on every prompt (``eval/simulate.py``)."""
     generations = []
@@ -287,7 +326,7 @@ def simulate_method(
             tokens = drafts[i].tokens.tolist()
             gen = simulate_chain(continuation, lambda out, t=tokens: t[out - 1], **common)
         generations.append(gen)
-        if on_prompts is not None:
+        if on_progress is not None:
             with_rounds = [g.tau for g in generations if g.num_rounds]
-            on_prompts(method, 1, sum(with_rounds) / len(with_rounds) if with_rounds else None)
+            on_progress(method, 1, sum(with_rounds) / len(with_rounds) if with_rounds else None)
     return generations

@@ -1,37 +1,122 @@
 """Evaluation prompts from JSONL: chat rows (``messages`` / ShareGPT ``conversations``) or ``{"prompt": ...}``.
 
 A chat row is cut after its last user turn (the assistant replies that followed are what the target
-should now generate) and rendered with the target's chat template plus the generation prompt, with
+should now generate; earlier turns stay as the context of a multi-turn row) and rendered with the target's chat template plus the generation prompt, with
 thinking on/off/default as asked. A ``{"prompt": text}`` row becomes one user turn when the
 tokenizer has a chat template, and is encoded raw otherwise.
+
+Bad rows (invalid UTF-8, malformed JSON, no user turn, ...) raise a ``ValueError`` naming
+``file:line``, or are skipped and counted per file while their total stays within ``max_bad_rows``.
 """
 
 from __future__ import annotations
 
 import json
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jinja2.exceptions import TemplateError
 
-def load_prompts(
-    path: str | Path, tokenizer, *, thinking: bool | None = None, num_prompts: int = 0
-) -> list[list[int]]:
-    """Token ids of the first ``num_prompts`` (0 = all) prompts of a JSONL file."""
-    prompts: list[list[int]] = []
-    with open(path, encoding="utf-8") as handle:
-        for line_number, line in enumerate(handle, start=1):
+
+@dataclass
+class PromptFile:
+    """The encoded prompts of one file and the rows skipped in it, by reason."""
+
+    path: str
+    prompts: list[list[int]]
+    skipped: dict[str, int] = field(default_factory=dict)
+
+
+class BadPromptRows:
+    """Counts bad rows over all prompt files; the first one past ``max_bad_rows`` raises."""
+
+    def __init__(self, max_bad_rows: int = 0):
+        self.max_bad_rows = max_bad_rows
+        self.num_bad = 0
+
+    def record(self, skipped: dict[str, int], reason: str, where: str, detail: str) -> None:
+        self.num_bad += 1
+        skipped[reason] = skipped.get(reason, 0) + 1
+        if self.num_bad > self.max_bad_rows:
+            allowance = (
+                "or skip bad rows with --max-bad-rows N"
+                if self.max_bad_rows == 0
+                else f"or raise --max-bad-rows (now {self.max_bad_rows})"
+            )
+            raise ValueError(
+                f"{where}: bad prompt row ({reason}): {detail}. Fix or remove the row, {allowance}."
+            )
+        print(f"eval: skipping {where} ({reason}: {detail})", file=sys.stderr)
+
+
+def read_jsonl_rows(path: str | Path):
+    """``(line_number, row, error)`` per non-blank line; error = (reason, detail) for a bad line."""
+    with open(path, "rb") as handle:
+        for line_number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                yield (
+                    line_number,
+                    None,
+                    ("invalid_utf8", f"invalid UTF-8 at byte {err.start}; re-encode the file as UTF-8"),
+                )
+                continue
             if not line.strip():
                 continue
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{line_number}: not valid JSON ({err.msg})") from None
-            prompts.append(encode_prompt(tokenizer, row, thinking, where=f"{path}:{line_number}"))
-            if num_prompts and len(prompts) >= num_prompts:
-                break
-    if not prompts:
-        raise ValueError(f"{path} has no prompts")
-    return prompts
+                yield line_number, None, ("malformed_json", f"not valid JSON ({err.msg})")
+                continue
+            if not isinstance(row, dict):
+                yield line_number, None, ("not_a_prompt_row", f"a JSON {type(row).__name__}, not an object")
+                continue
+            yield line_number, row, None
+
+
+def load_prompt_file(
+    path: str | Path,
+    tokenizer,
+    *,
+    thinking: bool | None = None,
+    num_prompts: int = 0,
+    bad_rows: BadPromptRows | None = None,
+) -> PromptFile:
+    """Token ids of the first ``num_prompts`` (0 = all) usable prompts of a JSONL file."""
+    bad_rows = bad_rows or BadPromptRows(0)
+    result = PromptFile(path=str(path), prompts=[])
+    for line_number, row, error in read_jsonl_rows(path):
+        where = f"{path}:{line_number}"
+        if error is None:
+            try:
+                result.prompts.append(encode_prompt(tokenizer, row, thinking, where=where))
+            except PromptRowError as err:
+                error = (err.reason, err.detail)
+        if error is not None:
+            bad_rows.record(result.skipped, error[0], where, error[1])
+        if num_prompts and len(result.prompts) >= num_prompts:
+            break
+    if not result.prompts:
+        raise ValueError(f"{path} has no usable prompts")
+    return result
+
+
+def load_prompts(
+    path: str | Path, tokenizer, *, thinking: bool | None = None, num_prompts: int = 0
+) -> list[list[int]]:
+    """Token ids of the first ``num_prompts`` (0 = all) prompts of a JSONL file (bad rows raise)."""
+    return load_prompt_file(path, tokenizer, thinking=thinking, num_prompts=num_prompts).prompts
+
+
+class PromptRowError(ValueError):
+    """A row that cannot become a prompt: ``reason`` (a short key) and ``detail`` (what is wrong)."""
+
+    def __init__(self, reason: str, detail: str, where: str):
+        super().__init__(f"{where}: {detail}")
+        self.reason, self.detail = reason, detail
 
 
 def encode_prompt(tokenizer, row: dict[str, Any], thinking: bool | None, where: str = "row") -> list[int]:
@@ -39,15 +124,30 @@ def encode_prompt(tokenizer, row: dict[str, Any], thinking: bool | None, where: 
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if isinstance(row.get("prompt"), str):
         if not has_template:
-            return tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+            ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
+            if not ids:
+                raise PromptRowError("empty_prompt", "the prompt encodes to no tokens", where)
+            return ids
         messages = [{"role": "user", "content": row["prompt"]}]
     else:
+        if not isinstance(row.get("messages"), list) and not isinstance(row.get("conversations"), list):
+            raise PromptRowError(
+                "not_a_prompt_row",
+                f"give a 'prompt' string, a 'messages' list or a ShareGPT 'conversations' list (keys: {sorted(row)[:8]})",
+                where,
+            )
         messages = prompt_messages(row, where)
         if not has_template:
-            raise ValueError(f"{where}: chat rows need a tokenizer with a chat template")
+            raise PromptRowError("no_chat_template", "chat rows need a tokenizer with a chat template", where)
     kwargs = {} if thinking is None else {"enable_thinking": thinking}
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    except TemplateError as err:  # the template's own raise_exception(), e.g. roles out of order
+        raise PromptRowError("template_error", f"the chat template refused the row: {err}", where) from None
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise PromptRowError("empty_prompt", "the prompt renders to no tokens", where)
+    return ids
 
 
 def prompt_messages(row: dict[str, Any], where: str) -> list[dict[str, Any]]:
@@ -57,8 +157,8 @@ def prompt_messages(row: dict[str, Any], where: str) -> list[dict[str, Any]]:
     try:
         messages = normalize_messages(row)
     except ValueError as err:
-        raise ValueError(f"{where}: {err}") from None
+        raise PromptRowError(getattr(err, "reason", "not_a_chat_row"), str(err), where) from None
     last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=-1)
     if last_user < 0:
-        raise ValueError(f"{where}: the row has no user turn to answer")
+        raise PromptRowError("no_user_turn", "the row has no user turn to answer", where)
     return messages[: last_user + 1]

@@ -6,13 +6,12 @@ per method: tau (per request the mean of accepted + 1 over rounds, then the mean
 lossless (T = 0: identical tokens to the reference, every prompt), per-position acceptance,
 rounds, tokens/s and the speedup over plain decoding. Speed numbers only mean something on a GPU.
 
-``evaluate`` is the Python API (used by the demo and the tests); ``run_eval`` wraps it for the CLI.
+This is ``--tau-mode decode`` (and the lossless check of exact mode). ``evaluate`` is the Python
+API; ``eval/command.py`` runs it for the CLI; ``eval/exact.py`` is the batched exact mode.
 """
 
 from __future__ import annotations
 
-import argparse
-import tempfile
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +23,9 @@ from dflash_train.eval.proposers import DFlashProposer, NgramProposer, Proposer
 from dflash_train.eval.speculative import Generation, plain_generate, speculative_generate
 from dflash_train.eval.summary import summarize_rounds
 from dflash_train.eval.target_session import TargetSession
+from dflash_train.eval.verdict import describe_divergence
+
+__all__ = ["Method", "build_method", "describe_divergence", "evaluate", "summarize"]
 
 METHOD_NAMES = ("dflash", "ngram", "ddtree")
 
@@ -57,12 +59,17 @@ def evaluate(
     ddtree_topk: int = 8,
     eos_token_ids: Collection[int] | None = None,
     seed: int = 0,
+    on_prompt: Callable[[str, Generation], None] | None = None,
 ) -> dict[str, Any]:
-    """Run plain decoding and every method on every prompt; return ``{"baseline": ..., "methods": {...}}``.
+    """Run plain decoding and every method on every prompt.
+
+    Returns ``{"baseline": ..., "methods": {name: summary}, "generations": {"plain" | name: [Generation]}}``.
 
     ``drafter`` follows the inference contract of docs/CONTRACTS.md and has ``.config`` with
     ``block_size``, ``mask_token_id``, ``target_layer_ids``; it may be None when no method needs it.
     ``block_size`` (default: the drafter's, else 16) applies to drafter-free methods.
+    ``on_prompt(method_name, generation)`` is called after each request (``"plain"`` for the
+    reference), for progress bars.
     """
     resolved = [
         m
@@ -74,46 +81,52 @@ def evaluate(
     device = next(target_model.parameters()).device
     if device.type == "cuda":
         _warm_up(target_model, resolved, prompts_token_ids[0], eos, temperature, seed)
-    references = [
-        _run_plain(
-            target_model, prompt, max_new_tokens, temperature, eos, _generator(device, temperature, seed, i)
-        )
-        for i, prompt in enumerate(prompts_token_ids)
-    ]
-    report: dict[str, Any] = {"baseline": summarize_plain(references), "methods": {}}
+    references = []
+    for i, prompt in enumerate(prompts_token_ids):
+        generator = _generator(device, temperature, seed, i)
+        references.append(_run_plain(target_model, prompt, max_new_tokens, temperature, eos, generator))
+        if on_prompt is not None:
+            on_prompt("plain", references[-1])
+    report: dict[str, Any] = {
+        "baseline": summarize_plain(references),
+        "methods": {},
+        "generations": {"plain": references},
+    }
     for method in resolved:
-        summary = evaluate_method(
-            target_model, method, prompts_token_ids, references, max_new_tokens, temperature, eos, seed
-        )
+        summary, generations = evaluate_method(
+            target_model, method, prompts_token_ids, references, max_new_tokens, temperature, eos, seed,
+            on_prompt=None if on_prompt is None else lambda gen, name=method.name: on_prompt(name, gen),
+        )  # fmt: skip
         summary["speedup"] = _ratio(summary["tokens_per_s"], report["baseline"]["tokens_per_s"])
         report["methods"][method.name] = summary
+        report["generations"][method.name] = generations
     return report
 
 
 def evaluate_method(
-    target_model, method: Method, prompts, references, max_new_tokens, temperature, eos, seed
+    target_model, method: Method, prompts, references, max_new_tokens, temperature, eos, seed, on_prompt=None
 ) -> dict[str, Any]:
-    """Every prompt with one method, summarised against the plain-decoding references."""
+    """Every prompt with one method: (summary against the plain-decoding references, generations)."""
     device = next(target_model.parameters()).device
-    generations = [
-        run_method(
-            target_model,
-            method,
-            prompt,
-            reference.tokens,
-            max_new_tokens,
-            temperature,
-            eos,
-            _generator(device, temperature, seed, i),
+    generations = []
+    for i, (prompt, reference) in enumerate(zip(prompts, references, strict=True)):
+        generator = _generator(device, temperature, seed, i)
+        generations.append(
+            run_method(
+                target_model, method, prompt, reference.tokens, max_new_tokens, temperature, eos, generator
+            )
         )
-        for i, (prompt, reference) in enumerate(zip(prompts, references, strict=True))
-    ]
+        if on_prompt is not None:
+            on_prompt(generations[-1])
     summary = summarize(generations, references, temperature, method.block_size)
     summary["divergences"] = [
-        describe_divergence(target_model, prompts[i], references[i].tokens, generations[i].tokens, i)
+        {
+            "method": method.name,
+            **describe_divergence(target_model, prompts[i], references[i].tokens, generations[i].tokens, i),
+        }
         for i in summary["mismatched_prompts"]
     ]
-    return summary
+    return summary, generations
 
 
 def build_method(
@@ -252,27 +265,6 @@ def summarize(
     }
 
 
-@torch.no_grad()
-def describe_divergence(target_model, prompt, reference_output, output, prompt_index: int) -> dict[str, Any]:
-    """Where a speculative output first differs from the reference, and how close the target's top
-    two logits were there. In bf16 a block verify and a one-token step round differently, so a
-    near-tie (gap ~ 1e-2) can flip; a large gap means a real bug."""
-    position = next(
-        (i for i, (a, b) in enumerate(zip(reference_output, output)) if a != b),
-        min(len(reference_output), len(output)),
-    )
-    device = next(target_model.parameters()).device
-    ids = torch.tensor([[*prompt, *reference_output[:position]]], device=device)
-    top2 = target_model(ids).logits[0, -1].float().topk(2).values
-    return {
-        "prompt": prompt_index,
-        "position": position,
-        "reference_token": reference_output[position] if position < len(reference_output) else None,
-        "speculative_token": output[position] if position < len(output) else None,
-        "reference_top2_gap": float(top2[0] - top2[1]),
-    }
-
-
 def summarize_plain(references: Sequence[Generation]) -> dict[str, Any]:
     tokens = sum(len(g.tokens) for g in references)
     wall = sum(g.wall_s for g in references)
@@ -281,104 +273,3 @@ def summarize_plain(references: Sequence[Generation]) -> dict[str, Any]:
 
 def _ratio(numerator: float, denominator: float) -> float:
     return numerator / denominator if denominator else 0.0
-
-
-# -- CLI ------------------------------------------------------------------------------------------
-def run_eval(args: argparse.Namespace) -> dict[str, Any]:
-    """``dflash-train eval``: load target, drafter and prompts, run ``evaluate``, flatten the report."""
-    from dflash_train.eval.prompts import load_prompts
-    from dflash_train.models.target import load_causal_lm
-
-    device = _resolve_device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    torch.manual_seed(args.seed)
-    target_model, tokenizer = load_causal_lm(args.target, dtype=dtype, device=device)
-    if tokenizer is None:
-        raise ValueError(f"target {args.target!r} has no tokenizer: eval needs one to encode the prompts")
-    target_model.eval()
-    drafter = load_eval_drafter(args.drafter, device, dtype)
-    _check_drafter_fits(drafter.config, target_model)
-    thinking = {"on": True, "off": False, "default": None}[args.thinking]
-    prompts = load_prompts(args.prompts, tokenizer, thinking=thinking, num_prompts=args.num_prompts)
-    methods = (
-        ["dflash"]
-        + (["ngram"] if args.baseline == "ngram" else [])
-        + (["ddtree"] if args.ddtree_budget > 0 else [])
-    )
-    report = evaluate(
-        target_model,
-        tokenizer,
-        drafter,
-        prompts,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        methods=methods,
-        ngram_n=args.ngram_n,
-        ddtree_budget=args.ddtree_budget,
-        seed=args.seed,
-    )
-    return flatten_report(report, num_prompts=len(prompts), device=str(device))
-
-
-def flatten_report(report: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    """The CLI's result dict: the DFlash chain's numbers at top level, other methods prefixed."""
-    methods, baseline = report["methods"], report["baseline"]
-    main = methods.get("dflash", {})
-    result: dict[str, Any] = {
-        "tau": main.get("tau"),
-        # True only if every evaluated method reproduced the reference exactly (None when sampling).
-        "lossless": _all_lossless(methods.values()),
-        "tokens_per_s": main.get("tokens_per_s"),
-        "baseline_tokens_per_s": baseline["tokens_per_s"],
-        "speedup": main.get("speedup"),
-        "ngram_tau": methods.get("ngram", {}).get("tau"),
-        "ddtree_tau": methods.get("ddtree", {}).get("tau"),
-        "per_position_acceptance": main.get("per_position_acceptance"),
-        "rounds": main.get("rounds"),
-        "tokens": main.get("tokens"),
-        **extra,
-    }
-    for name in ("ngram", "ddtree"):
-        if name in methods:
-            for key in ("lossless", "tokens_per_s", "speedup"):
-                result[f"{name}_{key}"] = methods[name][key]
-    return result
-
-
-def _all_lossless(summaries) -> bool | None:
-    flags = [s["lossless"] for s in summaries]
-    return None if any(f is None for f in flags) else all(flags)
-
-
-def load_eval_drafter(path: str, device: torch.device, dtype: torch.dtype):
-    """An exported drafter directory, or a training checkpoint / run dir (exported to a temp dir first)."""
-    from pathlib import Path
-
-    from dflash_train.models.export import export_checkpoint, load_drafter
-
-    if (Path(path) / "config.json").is_file():
-        drafter, _ = load_drafter(path, device=str(device), dtype=dtype)
-    else:
-        with tempfile.TemporaryDirectory(prefix="dflash-eval-") as tmp:
-            export_checkpoint(path, tmp, dtype="float32")
-            drafter, _ = load_drafter(tmp, device=str(device), dtype=dtype)
-    return drafter.eval()
-
-
-def _check_drafter_fits(config, target_model) -> None:
-    num_layers = getattr(target_model.config, "num_hidden_layers", None)
-    if num_layers is not None and config.num_target_layers != num_layers:
-        raise ValueError(
-            f"the drafter was trained for a {config.num_target_layers}-layer target, --target has {num_layers} layers"
-        )
-    vocab = target_model.get_input_embeddings().weight.shape[0]
-    if not 0 <= config.mask_token_id < vocab:
-        raise ValueError(
-            f"drafter mask_token_id {config.mask_token_id} is outside the target's vocab ({vocab})"
-        )
-
-
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)

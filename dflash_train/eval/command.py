@@ -1,0 +1,209 @@
+"""``dflash-train eval``: load target, drafter and prompt files, measure, report (``run_eval``).
+
+Exact mode (the default at T = 0): batched greedy continuations, one feature pass and one drafter
+pass, simulated rounds (``eval/exact.py``); the first ``decode_prompts`` prompts of each file are
+also decoded for real for the lossless verdict and tokens/s. Decode mode: every prompt is decoded
+round by round (``eval/runner.evaluate``). Either way the numbers are reported per prompt file and
+overall (``eval/report.py``).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_train.eval.exact import exact_generations
+from dflash_train.eval.generate import greedy_continuations, pad_token_for
+from dflash_train.eval.options import EvalOptions
+from dflash_train.eval.prompts import BadPromptRows, PromptFile, load_prompt_file
+from dflash_train.eval.report import ProgressBars, finish_report
+from dflash_train.eval.runner import default_eos_ids, evaluate
+from dflash_train.eval.speculative import Generation
+from dflash_train.eval.verdict import verdict
+
+
+def run_eval(options: EvalOptions) -> dict[str, Any]:
+    """Run one evaluation; returns the flat result dict (``--json``), also written to
+    ``options.output_dir/eval.json`` with ``acceptance.png`` when an output directory is given."""
+    device = resolve_device(options.device)
+    dtype = resolve_eval_dtype(options.dtype, device)
+    torch.manual_seed(options.seed)
+    target_model, tokenizer = load_eval_target(options.target, dtype, device)
+    drafter = load_eval_drafter(options.drafter, device, dtype)
+    frozen = check_drafter_fits(drafter.config, target_model, tokenizer)
+    bad_rows = BadPromptRows(options.max_bad_rows)
+    files = [
+        load_prompt_file(
+            path,
+            tokenizer,
+            thinking=options.thinking_flag,
+            num_prompts=options.num_prompts,
+            bad_rows=bad_rows,
+        )
+        for path in options.prompts
+    ]
+    measured = measure(target_model, frozen, tokenizer, drafter, files, options)
+    extra = {
+        "device": str(device),
+        "dtype": str(dtype).removeprefix("torch."),
+        "tau_mode": options.resolved_tau_mode,
+    }
+    return finish_report(measured, files, options, drafter.config.block_size, extra)
+
+
+def measure(
+    target_model, frozen, tokenizer, drafter, files: Sequence[PromptFile], options: EvalOptions
+) -> dict:
+    """Per method, one Generation per prompt (all files concatenated), the decode report of the
+    decoded prompts, and phase timings."""
+    prompts = [p for f in files for p in f.prompts]
+    eos = default_eos_ids(target_model, tokenizer)
+    timings: dict[str, float] = {}
+    bars = ProgressBars(enabled=options.progress)
+    if options.resolved_tau_mode == "exact":
+        generations = exact_mode(
+            target_model, frozen, tokenizer, drafter, prompts, eos, options, timings, bars
+        )
+        decoded = [
+            start + i
+            for start, f in zip(file_starts(files), files)
+            for i in range(min(options.decode_prompts, len(f.prompts)))
+        ]
+    else:
+        generations, decoded = {}, list(range(len(prompts)))
+    decode_report = None
+    if decoded:
+        started = time.perf_counter()
+        decode_report = evaluate(
+            target_model, tokenizer, drafter, [prompts[i] for i in decoded],
+            max_new_tokens=options.max_new_tokens, temperature=options.temperature, methods=options.methods,
+            ngram_n=options.ngram_n, ddtree_budget=options.ddtree_budget, ddtree_topk=options.ddtree_topk,
+            eos_token_ids=eos, seed=options.seed,
+            on_prompt=bars.decode_callback(len(decoded), options.methods),
+        )  # fmt: skip
+        timings["decode"] = time.perf_counter() - started
+        if not generations:
+            generations = {m: decode_report["generations"][m] for m in options.methods}
+    bars.close()
+    divergences = [] if decode_report is None else collect_divergences(decode_report, decoded, files)
+    return {
+        "generations": generations,
+        "decoded": decoded,
+        "decode_report": decode_report,
+        "divergences": divergences,
+        "verdict": verdict(divergences, len(decoded), options.temperature),
+        "timings": timings,
+    }
+
+
+def exact_mode(
+    target_model, frozen, tokenizer, drafter, prompts, eos, options, timings, bars
+) -> dict[str, list[Generation]]:
+    """Greedy continuations (timed as ``generate``), then ``exact_generations``."""
+    device = next(target_model.parameters()).device
+    batch_size = options.batch_size or (32 if device.type == "cuda" else 8)
+    pad = pad_token_for(tokenizer, eos)
+    started = time.perf_counter()
+    continuations = greedy_continuations(
+        target_model, prompts, max_new_tokens=options.max_new_tokens, eos_token_ids=eos, pad_token_id=pad,
+        batch_size=batch_size, on_batch=bars.counter("generate", len(prompts)),
+    )  # fmt: skip
+    timings["generate"] = time.perf_counter() - started
+    generations, exact_timings = exact_generations(
+        frozen, drafter, prompts, continuations,
+        max_new_tokens=options.max_new_tokens, eos_token_ids=eos, methods=options.methods,
+        ngram_n=options.ngram_n, ddtree_budget=options.ddtree_budget, ddtree_topk=options.ddtree_topk,
+        drafter_batch_tokens=options.drafter_batch_tokens, pad_token_id=pad,
+        on_progress=bars.exact_callback(len(prompts), options.methods),
+    )  # fmt: skip
+    timings.update(exact_timings)
+    return generations
+
+
+def file_starts(files: Sequence[PromptFile]) -> list[int]:
+    """Index of each file's first prompt in the concatenated prompt list."""
+    starts, total = [], 0
+    for f in files:
+        starts.append(total)
+        total += len(f.prompts)
+    return starts
+
+
+def locate(index: int, files: Sequence[PromptFile]) -> tuple[str, int]:
+    """(file, prompt index within it) of a prompt of the concatenated list."""
+    for start, f in zip(file_starts(files), files, strict=True):
+        if index < start + len(f.prompts):
+            return f.path, index - start
+    raise IndexError(index)
+
+
+def collect_divergences(
+    decode_report: dict, decoded: Sequence[int], files: Sequence[PromptFile]
+) -> list[dict]:
+    """Every method's divergences, with the prompt's file and its index within the file."""
+    found = []
+    for summary in decode_report["methods"].values():
+        for d in summary.get("divergences", []):
+            path, index = locate(decoded[d["prompt"]], files)
+            found.append({**d, "file": path, "prompt": index})
+    return found
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` = CUDA when available, else CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_eval_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto`` = bfloat16 on GPU, float32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
+
+
+def load_eval_target(path: str, dtype: torch.dtype, device: torch.device):
+    """The target causal LM (eval mode) and its tokenizer, which eval needs for the prompts."""
+    from dflash_train.models.target import load_causal_lm
+
+    target_model, tokenizer = load_causal_lm(path, dtype=dtype, device=device)
+    if tokenizer is None:
+        raise ValueError(f"target {path!r} has no tokenizer: eval needs one to encode the prompts")
+    return target_model.eval(), tokenizer
+
+
+def load_eval_drafter(path: str, device: torch.device, dtype: torch.dtype):
+    """An exported drafter directory, or a training checkpoint / run dir (exported to a temp dir first)."""
+    from dflash_train.models.export import export_checkpoint, load_drafter
+
+    if (Path(path) / "config.json").is_file():
+        drafter, _ = load_drafter(path, device=str(device), dtype=dtype)
+    else:
+        with tempfile.TemporaryDirectory(prefix="dflash-eval-") as tmp:
+            export_checkpoint(path, tmp, dtype="float32")
+            drafter, _ = load_drafter(tmp, device=str(device), dtype=dtype)
+    return drafter.eval()
+
+
+def check_drafter_fits(config, target_model, tokenizer):
+    """The drafter's ``FrozenTarget`` view of the target, after the same checks training makes
+    (``validate_target_for_drafter``) plus the target depth the drafter was trained against."""
+    from dflash_train.models.target import FrozenTarget, validate_target_for_drafter
+
+    frozen = FrozenTarget(target_model, tokenizer, list(config.target_layer_ids), kernels={})
+    if config.num_target_layers != frozen.num_layers:
+        raise ValueError(
+            f"the drafter was trained for a {config.num_target_layers}-layer target, --target has "
+            f"{frozen.num_layers} layers: evaluate it against the target it was trained for"
+        )
+    validate_target_for_drafter(frozen, config)
+    return frozen

@@ -1,0 +1,103 @@
+"""``EvalOptions``: everything ``dflash-train eval`` takes, typed and validated (the CLI builds it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+TAU_MODES = ("auto", "exact", "decode")
+DTYPE_NAMES = ("auto", "bfloat16", "float32")
+THINKING = {"on": True, "off": False, "default": None}
+
+
+@dataclass(kw_only=True)
+class EvalOptions:
+    """Options of one evaluation run, field by field."""
+
+    # Target checkpoint directory, hub id, builtin:<name> or preset:<name> (random weights).
+    target: str
+    # Exported drafter directory, or a training checkpoint / run directory.
+    drafter: str
+    # JSONL prompt files; each gets its own table, plus an overall row.
+    prompts: list[str] = field(default_factory=list)
+    # New tokens per request (the greedy continuation's length cap).
+    max_new_tokens: int = 256
+    # 0 = greedy (exact mode available); > 0 = speculative rejection sampling (decode mode only).
+    temperature: float = 0.0
+    # Use only the first N usable prompts of each file (0 = all).
+    num_prompts: int = 0
+    # Chat template thinking switch: on, off or the template's default.
+    thinking: str = "default"
+    # "ngram" adds prompt-lookup drafting as a baseline; "none" does not.
+    baseline: str = "none"
+    # n of the n-gram baseline.
+    ngram_n: int = 3
+    # Tree drafting (DDTree) with this many nodes; 0 = chain only.
+    ddtree_budget: int = 0
+    # Candidates per draft position when growing the DDTree.
+    ddtree_topk: int = 8
+    # exact: batched greedy continuation + one feature pass + one drafter pass, simulated rounds;
+    # decode: real round-by-round decoding of every prompt; auto: exact at T = 0, decode otherwise.
+    tau_mode: str = "auto"
+    # Exact mode: also decode the first N prompts of each file for real (lossless check, tokens/s).
+    decode_prompts: int = 0
+    # Target and drafter dtype; auto = bfloat16 on GPU, float32 on CPU.
+    dtype: str = "auto"
+    # Prompts per batched generation / feature pass; 0 = 32 on GPU, 8 on CPU.
+    batch_size: int = 0
+    # Block tokens per batched drafter pass (anchors x block size, summed over rows).
+    drafter_batch_tokens: int = 65536
+    # Bad prompt rows skipped (and counted) before the run stops with file:line.
+    max_bad_rows: int = 0
+    # Where to write eval.json and acceptance.png (nothing is written when empty).
+    output_dir: str = ""
+    # tqdm progress bars on stderr.
+    progress: bool = True
+    device: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prompts:
+            raise ValueError("no prompt files: give --prompts FILE [FILE ...]")
+        if self.tau_mode not in TAU_MODES:
+            raise ValueError(f"tau_mode={self.tau_mode!r}: use one of {list(TAU_MODES)}")
+        if self.tau_mode == "exact" and self.temperature > 0:
+            raise ValueError(
+                "--tau-mode exact needs --temperature 0 (sampled outputs are not the greedy continuation); "
+                "use --tau-mode decode for T > 0"
+            )
+        if self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype={self.dtype!r}: use one of {list(DTYPE_NAMES)}")
+        if self.thinking not in THINKING:
+            raise ValueError(f"thinking={self.thinking!r}: use one of {list(THINKING)}")
+        if self.baseline not in ("none", "ngram"):
+            raise ValueError(f"baseline={self.baseline!r}: use 'none' or 'ngram'")
+        for name in ("max_new_tokens", "ngram_n", "ddtree_topk", "drafter_batch_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: use >= 1")
+        for name in ("num_prompts", "ddtree_budget", "decode_prompts", "batch_size", "max_bad_rows"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)}: use >= 0")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature}: use >= 0")
+        if self.ddtree_budget > 0 and self.temperature > 0:
+            raise ValueError("DDTree is greedy only: use --temperature 0 with --ddtree-budget")
+
+    @property
+    def resolved_tau_mode(self) -> str:
+        """``exact`` or ``decode``."""
+        if self.tau_mode == "auto":
+            return "exact" if self.temperature <= 0 else "decode"
+        return self.tau_mode
+
+    @property
+    def methods(self) -> list[str]:
+        """The drafting methods to evaluate, DFlash chain first."""
+        return (
+            ["dflash"]
+            + (["ngram"] if self.baseline == "ngram" else [])
+            + (["ddtree"] if self.ddtree_budget > 0 else [])
+        )
+
+    @property
+    def thinking_flag(self) -> bool | None:
+        return THINKING[self.thinking]

@@ -1,0 +1,236 @@
+"""What ``dflash-train eval`` shows: progress bars, a table per prompt file and overall, the
+lossless verdict, ``eval.json`` and ``acceptance.png``.
+
+The flat result keeps the keys of earlier versions at top level for the overall numbers (``tau``,
+``ngram_tau``, ``ddtree_tau``, ``lossless``, ``per_position_acceptance``, ``tokens_per_s``,
+``speedup``, ...) and adds ``per_file`` (the same numbers per prompt file), ``divergences``,
+``lossless_up_to_ties``, ``timings`` and ``tau_mode``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from dflash_train.eval.runner import summarize, summarize_plain
+from dflash_train.eval.summary import ratio, summarize_rounds
+from dflash_train.eval.verdict import divergence_line, verdict_line
+
+METHOD_LABELS = {"dflash": "DFlash", "ngram": "n-gram", "ddtree": "DDTree"}
+
+
+class ProgressBars:
+    """tqdm bars on stderr, one per phase or method: prompts done, running tau, ETA."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+        self.bars: dict[str, Any] = {}
+
+    def _bar(self, name: str, total: int):
+        if name not in self.bars:
+            from tqdm import tqdm
+
+            self.bars[name] = tqdm(
+                total=total, desc=f"eval {name}", unit="prompt", file=sys.stderr, disable=not self.enabled
+            )
+        return self.bars[name]
+
+    def _advance(self, bar, n: int, tau: float | None = None) -> None:
+        if tau is not None:
+            bar.set_postfix(tau=f"{tau:.3f}", refresh=False)
+        bar.update(n)
+        # A finished bar is closed at once, so the next phase's bar takes its line instead of nesting.
+        if bar.n >= bar.total:
+            bar.close()
+
+    def counter(self, name: str, total: int) -> Callable[[int], None]:
+        """A callback advancing bar ``name`` by n prompts."""
+        return lambda n: self._advance(self._bar(name, total), n)
+
+    def exact_callback(self, total: int, methods: Sequence[str]) -> Callable[[str, int, float | None], None]:
+        """``on_progress(phase, n, tau)`` for ``exact.exact_generations``."""
+
+        def update(phase: str, n: int, tau: float | None) -> None:
+            self._advance(self._bar(phase, total), n, tau)
+
+        return update
+
+    def decode_callback(self, total: int, methods: Sequence[str]) -> Callable:
+        """``on_prompt(name, generation)`` for ``runner.evaluate``: running tau per method."""
+        taus: dict[str, list[float]] = {}
+
+        def update(name: str, generation) -> None:
+            tau = None
+            if name != "plain" and generation.num_rounds:
+                taus.setdefault(name, []).append(generation.tau)
+                tau = sum(taus[name]) / len(taus[name])
+            self._advance(self._bar(f"decode {name}", total), 1, tau)
+
+        return update
+
+    def close(self) -> None:
+        for bar in self.bars.values():
+            bar.close()
+
+
+# ----------------------------------------------------------------------------- numbers
+
+
+def group_numbers(
+    indices: Sequence[int], measured: dict, temperature: float, block_size: int
+) -> dict[str, Any]:
+    """Every method's numbers over the prompts ``indices`` (of the concatenated prompt list)."""
+    members = set(indices)
+    decoded = [j for j, i in enumerate(measured["decoded"]) if i in members]
+    report = measured["decode_report"]
+    methods = {}
+    baseline_tps = None
+    if decoded:
+        references = [report["generations"]["plain"][j] for j in decoded]
+        baseline_tps = summarize_plain(references)["tokens_per_s"]
+    for name, generations in measured["generations"].items():
+        numbers = summarize_rounds([generations[i] for i in indices], block_size)
+        numbers.pop("per_request_tau")
+        numbers.update({"lossless": None, "tokens_per_s": None, "speedup": None})
+        if decoded:
+            decoded_gens = [report["generations"][name][j] for j in decoded]
+            decode = summarize(decoded_gens, references, temperature, block_size)
+            numbers.update(
+                lossless=decode["lossless"],
+                tokens_per_s=decode["tokens_per_s"],
+                speedup=ratio(decode["tokens_per_s"], baseline_tps),
+            )
+        methods[name] = numbers
+    return {
+        "num_prompts": len(indices),
+        "num_decoded": len(decoded),
+        "baseline_tokens_per_s": baseline_tps,
+        "methods": methods,
+    }
+
+
+def flat_numbers(group: dict[str, Any]) -> dict[str, Any]:
+    """The DFlash chain's numbers at top level, other methods prefixed (the keys of earlier versions)."""
+    methods = group["methods"]
+    main = methods.get("dflash", {})
+    flat = {
+        "tau": main.get("tau"),
+        "tokens_per_s": main.get("tokens_per_s"),
+        "baseline_tokens_per_s": group["baseline_tokens_per_s"],
+        "speedup": main.get("speedup"),
+        "ngram_tau": methods.get("ngram", {}).get("tau"),
+        "ddtree_tau": methods.get("ddtree", {}).get("tau"),
+        "per_position_acceptance": main.get("per_position_acceptance"),
+        "rounds": main.get("rounds"),
+        "tokens": main.get("tokens"),
+    }
+    for name in ("ngram", "ddtree"):
+        if name in methods:
+            for key in ("lossless", "tokens_per_s", "speedup"):
+                flat[f"{name}_{key}"] = methods[name][key]
+    return flat
+
+
+def finish_report(measured: dict, files, options, block_size: int, extra: dict[str, Any]) -> dict[str, Any]:
+    """Build the flat result, print tables / divergences / verdict, write the output directory."""
+    per_file, start = [], 0
+    for f in files:
+        group = group_numbers(range(start, start + len(f.prompts)), measured, options.temperature, block_size)
+        per_file.append({"file": f.path, "skipped": f.skipped, **group, **flat_numbers(group)})
+        start += len(f.prompts)
+    overall = group_numbers(range(start), measured, options.temperature, block_size)
+    result = {
+        **flat_numbers(overall),
+        **measured["verdict"],
+        "num_prompts": overall["num_prompts"],
+        "num_decoded_prompts": overall["num_decoded"],
+        **extra,
+        "methods": overall["methods"],
+        "divergences": measured["divergences"],
+        "timings": {k: round(v, 3) for k, v in measured["timings"].items()},
+        "per_file": per_file,
+    }
+    print_tables(result)
+    if options.output_dir:
+        result["output_files"] = write_outputs(result, Path(options.output_dir))
+    return result
+
+
+# ----------------------------------------------------------------------------- printing
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def print_tables(result: dict[str, Any]) -> None:
+    """One row per prompt file plus ``overall``: tau per method, tokens, speedup; then the
+    per-position acceptance of each method, the divergences and the verdict."""
+    methods = list(result["methods"])
+    rows = [(f["file"], f) for f in result["per_file"]] + [("overall", result)]
+    width = max(len(name) for name, _ in rows)
+    header = f"{'prompts file':<{width}}  {'prompts':>7}  {'tokens':>8}  " + "  ".join(
+        f"{METHOD_LABELS[m] + ' tau':>10}" for m in methods
+    )
+    lines = ["", f"eval ({result['tau_mode']} mode, {result['dtype']} on {result['device']})", header]
+    for name, row in rows:
+        taus = "  ".join(f"{_fmt(row['methods'][m]['tau'], 3):>10}" for m in methods)
+        speed = f"  speedup {_fmt(row['speedup'])}x" if row.get("speedup") else ""
+        lines.append(f"{name:<{width}}  {row['num_prompts']:>7}  {row['tokens'] or 0:>8}  {taus}{speed}")
+    lines.append("per-position acceptance (block positions 1..B-1):")
+    for name, row in rows:
+        for m in methods:
+            accept = " ".join(f"{a:.2f}" for a in row["methods"][m]["per_position_acceptance"])
+            lines.append(f"  {name:<{width}}  {METHOD_LABELS[m]:<7} {accept}")
+    lines += [divergence_line(d) for d in result["divergences"]]
+    lines.append(verdict_line(result))
+    timings = ", ".join(f"{k} {v:.1f}s" for k, v in result["timings"].items())
+    lines += [f"time: {timings}", ""]
+    print("\n".join(lines), flush=True)
+
+
+def write_outputs(result: dict[str, Any], directory: Path) -> dict[str, str | None]:
+    """``eval.json`` (the full result) and ``acceptance.png`` (None when matplotlib is missing)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    json_path = directory / "eval.json"
+    json_path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return {
+        "eval_json": str(json_path),
+        "acceptance_png": plot_acceptance(result, directory / "acceptance.png"),
+    }
+
+
+def plot_acceptance(result: dict[str, Any], path: Path) -> str | None:
+    """Acceptance by block position, one line per method and prompt file."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(
+            f"eval: {path.name} not written: matplotlib is not installed (pip install matplotlib); "
+            "eval.json has the same numbers",
+            file=sys.stderr,
+        )
+        return None
+    matplotlib.use("Agg")  # files only; no display needed
+    import matplotlib.pyplot as plt
+
+    styles = {"dflash": "-", "ngram": ":", "ddtree": "--"}
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for row in result["per_file"]:
+        for method, numbers in row["methods"].items():
+            accept = numbers["per_position_acceptance"]
+            label = f"{METHOD_LABELS[method]} {Path(row['file']).name} (tau {_fmt(numbers['tau'])})"
+            ax.plot(range(1, len(accept) + 1), accept, styles[method], marker="o", label=label)
+    ax.set_xlabel("block position k")
+    ax.set_ylabel("acceptance rate of draft k")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"acceptance by block position ({result['tau_mode']} mode)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
