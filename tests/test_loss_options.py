@@ -363,3 +363,18 @@ def test_a_loss_setting_the_chosen_options_ignore_warns():
         load_config("tiny-cpu", ["output_dir=/tmp/x", "train.loss_weighting=dpace", "train.gamma=5"])
     with pytest.warns(UserWarning, match="train.kl_topk set but unused with train.loss=ce"):
         load_config("tiny-cpu", ["output_dir=/tmp/x", "train.kl_topk=8"])
+
+
+def test_resume_refuses_a_changed_objective_unless_allowed():
+    from dflash_train.config import load_config
+    from dflash_train.train.checkpoint import check_resume_compatible
+
+    saved = load_config("tiny-cpu", ["output_dir=/tmp/x"]).to_dict()
+    now = load_config(
+        "tiny-cpu", ["output_dir=/tmp/x", "train.loss=ce+kl", "train.loss_weighting=dpace"]
+    ).to_dict()
+    with pytest.raises(
+        ValueError, match="train.loss: checkpoint 'ce' -> now 'ce\\+kl'.*train.loss_weighting"
+    ):
+        check_resume_compatible(saved, now, [])
+    check_resume_compatible(saved, now, ["train.loss", "train.loss_weighting"])  # e.g. KL fine-tuning
