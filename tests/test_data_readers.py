@@ -82,7 +82,7 @@ def test_directory_and_parquet_sources(tmp_path):
     assert [r.where for r in rows][1:3] == [f"{folder / 'c.parquet'} row 0", f"{folder / 'c.parquet'} row 1"]
 
 
-def test_json_array_file_streams_through_datasets(tmp_path):
+def test_json_array_file_is_read_lazily(tmp_path):
     path = tmp_path / "rows.json"
     path.write_text(json.dumps([GOOD, GOOD, GOOD]))
     skips = SkipCounts()
@@ -197,3 +197,63 @@ def test_all_rows_bad_raises(tmp_path, tokenizer):
 def test_empty_paths_raise_with_a_remedy():
     with pytest.raises(ValueError, match="data.paths is empty"):
         expand_paths([])
+
+
+# ----------------------------------------------------------------------------- bad input, other sources
+
+
+def test_json_array_bad_rows_are_counted_skips_with_their_index(tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([GOOD, 5, {"messages": []}, SHAREGPT, {"text": "x"}]))
+    rows, skips = read([path], max_bad_rows=3)
+    assert [r.where for r in rows] == [f"{path} row 0", f"{path} row 3"]  # mixed formats read per row
+    assert skips.to_dict() == {"not_a_chat_row": 2, "empty_messages": 1}
+    assert skips.examples["not_a_chat_row"] == f"{path} row 1: a row must be a JSON object, got int"
+    with pytest.raises(ValueError, match=r"rows\.json row 1: bad row \(not_a_chat_row\).*max_bad_rows"):
+        read([path])
+
+
+def test_malformed_json_array_names_file_and_line(tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_text('[\n{"messages": []},\n{"messages": [}\n]')
+    with pytest.raises(ValueError, match=r"rows\.json:3: malformed JSON.*convert it to JSONL"):
+        read([path])
+
+
+def write_parquet(path, rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns = sorted({key for row in rows for key in row})  # every row gets every column, None if absent
+    pq.write_table(pa.Table.from_pylist([{k: row.get(k) for k in columns} for row in rows]), str(path))
+    return path
+
+
+def test_parquet_bad_rows_are_counted_skips_with_their_index(tmp_path):
+    path = write_parquet(tmp_path / "c.parquet", [GOOD, {"messages": []}, SHAREGPT, {"text": "x"}])
+    rows, skips = read([path], max_bad_rows=2)
+    assert [r.where for r in rows] == [f"{path} row 0", f"{path} row 2"]
+    assert rows[1].messages == GOOD["messages"]  # a None 'messages' column does not hide 'conversations'
+    assert skips.to_dict() == {"empty_messages": 1, "not_a_chat_row": 1}
+    assert skips.examples["not_a_chat_row"].startswith(
+        f"{path} row 3: row has no 'messages' or 'conversations'"
+    )
+    with pytest.raises(ValueError, match=r"c\.parquet row 1: bad row \(empty_messages\)"):
+        read([path])
+
+
+def test_unreadable_sources_name_the_source(tmp_path, monkeypatch):
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"not parquet at all")
+    with pytest.raises(ValueError, match=r"broken\.parquet: cannot read data source.*ArrowInvalid"):
+        read([broken])
+    import datasets
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'org/chats' on the Hub (OfflineModeIsEnabled)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(
+        ValueError, match=r"org/chats: cannot read data source \(ConnectionError.*hub dataset"
+    ):
+        read(["org/chats"])

@@ -6,10 +6,11 @@ Rows come in two forms, detected per row (``data.format=auto``) or forced:
 - ShareGPT ``conversations``: ``{"conversations": [{"from": "human", "value": "..."}, ...]}`` with
   human/gpt/system (mapped to user/assistant/system).
 
-Everything is a generator, so a file is never loaded whole, and every row carries its origin (file
-and 1-based line, or row index for ``datasets`` sources) so errors can point at it. Malformed JSON,
-invalid UTF-8 and rows that are not chats are reported to a ``SkipCounts`` (which raises past
-``data.max_bad_rows``) instead of being dropped silently.
+Everything is a generator, so a JSONL file is never loaded whole, and every row carries its origin
+(file and 1-based line for JSONL, 0-based row index for JSON arrays, parquet/csv/arrow files and hub
+datasets) so errors can point at it. Malformed JSON, invalid UTF-8 and rows that are not chats are
+reported to a ``SkipCounts`` (which raises past ``data.max_bad_rows``) instead of being dropped
+silently, whatever the source; a source that cannot be read at all is a ValueError naming it.
 """
 
 from __future__ import annotations
@@ -100,9 +101,11 @@ def fingerprint(files: list[str]) -> list[list[Any]]:
 
 
 def iter_raw_rows(file: str, skips: SkipCounts, streaming: bool = False) -> Iterator[tuple[int, dict]]:
-    """(line, row dict) of one source; bad lines are recorded in ``skips``."""
+    """(line or row index, row dict) of one source; bad lines/rows are recorded in ``skips``."""
     if reads_by_line(file):
         yield from iter_jsonl(file, skips)
+    elif os.path.isfile(file) and file.endswith(JSONL_SUFFIXES):
+        yield from iter_json_array(file, skips)
     else:
         yield from iter_dataset(file, streaming)
 
@@ -138,16 +141,61 @@ def iter_jsonl(file: str, skips: SkipCounts) -> Iterator[tuple[int, dict]]:
             yield line_no, row
 
 
+def iter_json_array(file: str, skips: SkipCounts) -> Iterator[tuple[int, dict]]:
+    """Rows of a ``.json`` file holding one JSON array, with 0-based row indices.
+
+    Read by us rather than by ``datasets``, which fails the whole file on one row that is not an
+    object (or differs in type) without saying which. An array is parsed whole (as ``datasets``
+    does too): for large data prefer JSONL, which is read line by line.
+    """
+    try:
+        with open(file, encoding="utf-8") as fh:
+            rows = json.load(fh)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{file}: invalid UTF-8 at byte {err.start}; re-encode the file as UTF-8.") from err
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{file}:{err.lineno}: malformed JSON ({err.msg} at column {err.colno}); a JSON-array file "
+            "cannot skip a broken row: fix the file, or convert it to JSONL (one row per line)."
+        ) from err
+    if not isinstance(rows, list):
+        raise ValueError(f"{file}: a .json data file must hold one array of rows, got {type(rows).__name__}.")
+    for index, row in enumerate(rows):
+        if isinstance(row, dict):
+            yield index, row
+        else:
+            skips.record(
+                "not_a_chat_row",
+                format_where(file, index),
+                f"a row must be a JSON object, got {type(row).__name__}",
+            )
+
+
 def iter_dataset(name: str, streaming: bool) -> Iterator[tuple[int, dict]]:
-    """Rows of a local parquet/json/csv/arrow file or a hub dataset (split 'train')."""
+    """Rows of a local parquet/csv/arrow file or a hub dataset (split 'train'), with 0-based indices.
+
+    Columnar formats give every row every column, None where a row had none: those are dropped so
+    that a file mixing ``messages`` and ``conversations`` rows reads row by row like JSONL. A source
+    that cannot be read becomes a ValueError naming it (and the row index where reading stopped).
+    """
     import datasets  # lazy: importing datasets costs about a second
 
-    builder = DATASET_SUFFIXES.get(Path(name).suffix)
-    if builder is not None and os.path.isfile(name):
-        ds = datasets.load_dataset(builder, data_files=name, split="train", streaming=streaming)
-    else:
-        ds = datasets.load_dataset(name, split="train", streaming=streaming)
-    yield from enumerate(ds)
+    index = -1
+    try:
+        builder = DATASET_SUFFIXES.get(Path(name).suffix)
+        if builder is not None and os.path.isfile(name):
+            ds = datasets.load_dataset(builder, data_files=name, split="train", streaming=streaming)
+        else:
+            ds = datasets.load_dataset(name, split="train", streaming=streaming)
+        for index, row in enumerate(ds):
+            yield index, {k: v for k, v in row.items() if v is not None}
+    except (OSError, ValueError, TypeError, datasets.exceptions.DatasetsError) as err:
+        where = name if index < 0 else format_where(name, index + 1)  # the row that could not be read
+        cause = err.__cause__ or err
+        raise ValueError(
+            f"{where}: cannot read data source ({type(cause).__name__}: {str(cause)[:300]}); check that it is "
+            "a readable parquet/csv/arrow/JSON(L) file or an available hub dataset name (offline? download it first)."
+        ) from err
 
 
 # ----------------------------------------------------------------------------- rows
@@ -180,7 +228,7 @@ def normalize_messages(raw: dict[str, Any], fmt: str = "auto") -> list[dict[str,
         fmt = "messages" if "messages" in raw else "sharegpt" if "conversations" in raw else ""
     key = {"messages": "messages", "sharegpt": "conversations"}.get(fmt)
     if key is None or key not in raw:
-        wanted = f"a '{key}' list" if key else "a 'messages' or 'conversations' list"
+        wanted = f"'{key}' list" if key else "'messages' or 'conversations' list"
         raise BadRowError("not_a_chat_row", f"row has no {wanted} (keys: {sorted(raw)[:8]})")
     turns = raw[key]
     if not isinstance(turns, list):
