@@ -109,8 +109,3 @@ def test_data_stats_cli_json(tiny_hybrid_dir, chat_file, tmp_path, capsys):
     assert result["rows"] == 3 and result["skips"] == {"no_assistant_turn": 1}
     assert result["rows_per_bucket"] == {"1024": 3, "2048": 0, "4096": 0}
     assert set(result) >= {"tokens", "response_tokens", "padding_waste", "steps_per_epoch"}
-
-
-def test_data_stats_refuses_a_builtin_target(tmp_path):
-    with pytest.raises(ValueError, match="without a saved tokenizer"):
-        run_data_stats("tiny-cpu", ["data.paths=[x.jsonl]"])

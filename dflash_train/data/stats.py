@@ -8,27 +8,33 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash_train.config import TargetConfig, load_config
+from dflash_train.config import RunConfig, load_config
 from dflash_train.data.loader import build_train_data
 
 
-def load_target_tokenizer(target: TargetConfig):
-    """The target's tokenizer (with its chat template) from a checkpoint directory or hub id."""
-    if target.path.startswith(("builtin:", "preset:")):
-        raise ValueError(
-            f"target.path={target.path!r} is a built-in/random-weight target without a saved tokenizer; "
-            "point target.path at a checkpoint directory or hub id that has tokenizer files "
-            "(e.g. a directory written by the demo), or pass target.path=... on the command line"
-        )
-    from transformers import AutoTokenizer
+def load_target_tokenizer(cfg: RunConfig):
+    """The tokenizer ``train`` would use, with the target path resolved exactly as ``train`` resolves it.
 
-    return AutoTokenizer.from_pretrained(target.path, trust_remote_code=target.trust_remote_code)
+    ``builtin:<name>`` through the registry, a local path checked for existence, a hub id as is; a
+    ``preset:`` target or a directory without tokenizer files has none, which is refused with the
+    same error as ``train``'s. Only the tokenizer is loaded, never the model.
+    """
+    from dflash_train.models.target_loading import check_local_path, load_tokenizer, resolve_target_path
+    from dflash_train.train.builders import check_data_and_tokenizer
+
+    tokenizer = None
+    if not cfg.target.path.startswith("preset:"):
+        path = resolve_target_path(cfg.target.path)
+        check_local_path(path)
+        tokenizer = load_tokenizer(path, cfg.target.trust_remote_code)
+    check_data_and_tokenizer(cfg, tokenizer)
+    return tokenizer
 
 
 def run_data_stats(recipe: str, overrides: list[str] | None = None) -> dict[str, Any]:
     """Print a readable summary of the recipe's data and return the numbers as a dict."""
     cfg = load_config(recipe, overrides)
-    tokenizer = load_target_tokenizer(cfg.target)
+    tokenizer = load_target_tokenizer(cfg)
     data = build_train_data(cfg.data, tokenizer, seed=cfg.train.seed, rank=0, world_size=1)
     stats = data.stats
     print_histogram(stats.rows_per_bucket, stats.rows_per_batch, stats.batches_per_bucket)
