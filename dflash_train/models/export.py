@@ -2,7 +2,9 @@
 
 This is the directory SGLang (``--speculative-algorithm DFLASH``) and vLLM (``method: dflash``) load:
 drafter tensors only (no embedding, no LM head; the target's are used), named as the serving
-implementations expect, which are exactly ``DFlashDrafter``'s parameter names.
+implementations expect, which are exactly ``DFlashDrafter``'s parameter names. Next to them,
+``SERVING.md`` holds the exact SGLang and vLLM flags for this export (``models/serving.py``): the
+block size is a serving flag in both engines, not read from the config.
 
 Training checkpoints (written by the trainer) are directories ``step-*`` holding
 ``drafter_config.json`` (the same serving dict) and ``drafter.safetensors`` (fp32 state dict), plus a
