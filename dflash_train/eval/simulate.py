@@ -53,7 +53,8 @@ def _rounds(
     limit = request_limit(continuation, max_new_tokens, eos)
     gen = Generation(tokens=list(continuation[:limit]))
     out = 1
-    while out < limit and continuation[out - 1] not in eos:
+    # A round that accepts an EOS draft ends past it (out > len): the request is over.
+    while out < limit and out <= len(continuation) and continuation[out - 1] not in eos:
         num_drafted, num_accepted = accept(out, min(block_size - 1, limit - out - 1))
         gen.num_drafted.append(num_drafted)
         gen.num_accepted.append(num_accepted)
