@@ -184,6 +184,22 @@ def _terms(name: str, fused: bool):
     return _compiled(fn) if fused else fn
 
 
+def chunk_weights(
+    label_prob: Tensor,
+    valid: Tensor,
+    decay_weights: Tensor | None,
+    sl: slice,
+    opts: LossOptions,
+    num_pred: int,
+) -> Tensor:
+    """Weights [c] of one chunk's tokens: its slice of the decay weights, or D-PACE weights from the
+    chunk's own label probabilities (a chunk holds whole blocks of ``num_pred`` tokens)."""
+    if opts.weighting != "dpace":
+        return decay_weights[sl]
+    per_block = dpace_weights(label_prob.view(-1, num_pred), valid.view(-1, num_pred), opts.dpace_alpha)
+    return per_block.view(-1)
+
+
 class _ChunkedLMHeadLoss(torch.autograd.Function):
     """sum(w * objective(hidden @ W^T)) / denom, with the input gradient computed in forward.
 
@@ -206,14 +222,9 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             logits = lm_head_logits(hidden[sl], weight)  # [c, V]: the student's one LM-head pass
             lse, label_logit, rank = _terms("label_statistics", spec.fused)(logits, labels[sl])
             label_prob = (label_logit - lse).exp()
-            if opts.weighting == "dpace":
-                w = dpace_weights(
-                    label_prob.view(-1, num_pred), valid[sl].view(-1, num_pred), opts.dpace_alpha
-                ).view(-1)
-            else:
-                w = decay_weights[sl]
+            w = chunk_weights(label_prob, valid[sl], decay_weights, sl, opts, num_pred)
             teacher = None
-            if opts.uses_kl:
+            if opts.uses_kl:  # the teacher's head pass; its [c, V] logits live only for this chunk
                 t_logits = teacher_logits(teacher_hidden[sl], weight)
                 teacher = _terms("teacher_distribution", spec.fused)(t_logits, opts.kl_topk)
                 del t_logits
