@@ -1,4 +1,4 @@
-"""The ``dflash-train`` command line: train, demo, eval, bench, regen, export, data-stats.
+"""The ``dflash-train`` command line: train, demo, eval, bench, regen, synth, export, data-stats.
 
 Each subcommand's work lives in its own module and is imported only when that subcommand runs, so
 ``--help`` is instant. With ``--json`` the last line of stdout is one JSON object with the results.
@@ -71,9 +71,15 @@ def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_regen(args: argparse.Namespace) -> dict[str, Any]:
-    from dflash_train.data.regen import run_regen
+    from dflash_train.data.regen import options_from_args, run_regen
 
-    return run_regen(args)
+    return run_regen(options_from_args(args))
+
+
+def cmd_synth(args: argparse.Namespace) -> dict[str, Any]:
+    from dflash_train.data.synth import options_from_args, run_synth
+
+    return run_synth(options_from_args(args))
 
 
 def cmd_export(args: argparse.Namespace) -> dict[str, Any]:
@@ -212,9 +218,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--thinking", choices=["on", "off", "default"], default="default")
     p.add_argument("--max-rows", type=int, default=0, help="stop after this many input rows (0 = all)")
     p.add_argument("--max-bad-rows", type=int, default=0)
-    p.add_argument("--engine", choices=["auto", "vllm", "transformers"], default="auto")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling when --temperature > 0")
+    p.add_argument("--engine", choices=["auto", "vllm", "transformers", "endpoint"], default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--endpoint", default="", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--model", default="", help="model name on the server (default: the one it serves)")
+    p.add_argument("--api-key-env", default="", help="environment variable holding the server's API key")
+    p.add_argument("--concurrency", type=int, default=64, help="requests in flight with --endpoint")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="per request with --endpoint")
+    p.add_argument("--retries", type=int, default=4, help="per request with --endpoint (exponential backoff)")
+
+    p = add("synth", cmd_synth, "Synthesize user prompts with the target's own chat template (Magpie).")
+    p.add_argument("--target", required=True, help="target checkpoint directory or hub id")
+    p.add_argument("--output", required=True, help="output JSONL (resumed when it exists)")
+    p.add_argument("--num-rows", type=int, required=True, help="rows to keep after the filters")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=0.99)
+    p.add_argument("--max-prompt-tokens", type=int, default=256)
+    p.add_argument("--turns", type=int, default=1, help="user turns per row (greedy replies between)")
+    p.add_argument("--max-reply-tokens", type=int, default=512, help="limit of the replies between turns")
+    p.add_argument("--system", default="", help="system prompt rendered before the user turn")
+    p.add_argument("--thinking", choices=["on", "off", "default"], default="default")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=64, help="rows per generation batch (256-512 on a GPU)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--min-prompt-chars", type=int, default=10)
+    p.add_argument("--near-dup-threshold", type=float, default=0.8, help="character 5-gram Jaccard similarity")
+    p.add_argument("--max-samples", type=int, default=0, help="give up after this many samples (0 = 20 per row)")
 
     p = add(
         "export",

@@ -1,13 +1,13 @@
 """Target regeneration end to end on a tiny saved target, resume, and data-stats."""
 
+import dataclasses
 import json
-from argparse import Namespace
 
 import pytest
 import yaml
 
 from dflash_train.cli import build_parser, main
-from dflash_train.data.regen import run_regen
+from dflash_train.data.regen import options_from_args, run_regen
 from dflash_train.data.stats import run_data_stats
 
 ROWS = [
@@ -28,10 +28,10 @@ ROWS = [
 
 
 def regen_args(target, data, output, **overrides):
-    """The CLI's parsed ``regen`` options (its defaults), small and CPU-only, plus ``overrides``."""
+    """The CLI's ``regen`` options (its defaults), small and CPU-only, plus ``overrides``."""
     argv = ["regen", "--target", str(target), "--data", str(data), "--output", str(output)]
     argv += ["--max-new-tokens", "4", "--batch-size", "2", "--engine", "transformers", "--device", "cpu"]
-    return Namespace(**(vars(build_parser().parse_args(argv)) | overrides))
+    return dataclasses.replace(options_from_args(build_parser().parse_args(argv)), **overrides)
 
 
 @pytest.fixture
@@ -109,3 +109,51 @@ def test_data_stats_cli_json(tiny_hybrid_dir, chat_file, tmp_path, capsys):
     assert result["rows"] == 3 and result["skips"] == {"no_assistant_turn": 1}
     assert result["rows_per_bucket"] == {"1024": 3, "2048": 0, "4096": 0}
     assert set(result) >= {"tokens", "response_tokens", "padding_waste", "steps_per_epoch"}
+
+
+@pytest.mark.parametrize("command", ["regen", "synth"])
+def test_cli_defaults_are_the_option_defaults(command):
+    """The demo and scripts build the options directly: they must get what the CLI gives."""
+    from dflash_train.data import synth
+
+    required = {"regen": ["--target", "t", "--data", "d", "--output", "o"], "synth": ["--target", "t", "--output", "o", "--num-rows", "3"]}[command]  # fmt: skip
+    module = {"regen": __import__("dflash_train.data.regen", fromlist=["x"]), "synth": synth}[command]
+    from_cli = module.options_from_args(build_parser().parse_args([command, *required]))
+    cls = type(from_cli)
+    direct = cls(
+        **{
+            f.name: getattr(from_cli, f.name)
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING
+        }
+    )
+    assert from_cli == direct
+
+
+def test_regen_pads_with_eos_when_the_tokenizer_has_no_pad_token(tmp_path, chat_file):
+    from tests.chat_families import save_family_target
+
+    target = save_family_target(tmp_path / "llama3", "llama3", eos_ids=None)
+    output = tmp_path / "out.jsonl"
+    result = run_regen(regen_args(target, chat_file, output, batch_size=4, temperature=0.8, top_p=0.9))
+    assert result["rows_done"] == 4 and result["rows_failed"] == 0
+    single = tmp_path / "single.jsonl"
+    run_regen(regen_args(target, chat_file, single, batch_size=1, temperature=0.8, top_p=0.9))
+    assert [r["messages"] for r in read_jsonl(output)] == [r["messages"] for r in read_jsonl(single)]
+
+
+def test_regen_refuses_a_checkpoint_with_missing_weights(tiny_qwen3_dir, chat_file, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_qwen3_dir, broken)
+    weights = load_file(broken / "model.safetensors")
+    save_file(
+        {k: v for k, v in weights.items() if "layers.1.mlp" not in k},
+        broken / "model.safetensors",
+        metadata={"format": "pt"},
+    )
+    with pytest.raises(ValueError, match="lacks .* weights"):
+        run_regen(regen_args(broken, chat_file, tmp_path / "o.jsonl"))

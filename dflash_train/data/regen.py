@@ -10,8 +10,11 @@ and tool turns are kept). A row with no assistant turn (a prompt-only dataset) g
 Output is JSONL in ``messages`` form; each row carries ``regen.key`` (source file name, line and a
 hash of the source messages). The output is appended to and flushed per batch, so an interrupted
 run resumes: rows whose key is already in the output are skipped, and a partially written last line
-is cut off first. vLLM is used when installed and the device is CUDA (or when asked for);
-otherwise batched transformers ``generate`` with left padding.
+is cut off first.
+
+Engines: ``transformers`` (in process: batched sampling with left padding, ``data.sampling``),
+``vllm`` (offline, when installed) and ``endpoint`` (any OpenAI-compatible server, ``data.endpoint``;
+rows that keep failing go to ``OUTPUT.failed.jsonl`` with their reason, rewritten by every run).
 """
 
 from __future__ import annotations
@@ -21,49 +24,120 @@ import json
 import os
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass, fields
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from dflash_train.data.readers import ChatRow, expand_paths, iter_chat_rows
+from dflash_train.data.sampling import Sampling, load_generator, resolve_device, sample_batch
 from dflash_train.data.skips import SkipCounts
+from dflash_train.data.special_tokens import end_of_turn_id, pad_id, resolve_eos_ids
 from dflash_train.data.tokenize import template_kwargs
 
 THINKING = {"on": True, "off": False, "default": None}
 
 
-def run_regen(args) -> dict[str, Any]:
-    """Regenerate ``args.data`` into ``args.output``; see the ``regen`` CLI options."""
-    output = Path(args.output)
+@dataclass(kw_only=True)
+class RegenOptions:
+    """Options of ``dflash-train regen`` (the CLI builds this from its arguments)."""
+
+    target: str
+    data: list[str]
+    output: str
+    max_new_tokens: int = 1024
+    temperature: float = 0.0
+    top_p: float = 1.0
+    batch_size: int = 16
+    thinking: str = "default"
+    max_rows: int = 0
+    max_bad_rows: int = 0
+    engine: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    # OpenAI-compatible server (``http://HOST:PORT/v1``); empty = generate in process.
+    endpoint: str = ""
+    model: str = ""
+    api_key_env: str = ""
+    concurrency: int = 64
+    timeout_s: float = 600.0
+    retries: int = 4
+
+    def __post_init__(self):
+        if self.thinking not in THINKING:
+            raise ValueError(f"--thinking {self.thinking!r}: use one of {list(THINKING)}")
+        if self.engine not in ("auto", "vllm", "transformers", "endpoint"):
+            raise ValueError(f"--engine {self.engine!r}: use auto, vllm, transformers or endpoint")
+        if self.engine == "endpoint" and not self.endpoint:
+            raise ValueError("--engine endpoint needs --endpoint http://HOST:PORT/v1")
+        if self.batch_size < 1 or self.max_new_tokens < 1 or self.concurrency < 1 or self.retries < 0:
+            raise ValueError("--batch-size, --max-new-tokens and --concurrency must be >= 1, --retries >= 0")
+        Sampling(temperature=self.temperature, top_p=self.top_p)  # validates both
+
+
+class Reply(NamedTuple):
+    """One generated turn: its text, whether it ended on a stop token, and an error (endpoint only)."""
+
+    text: str
+    finished: bool
+    error: str | None = None
+    reasoning: str | None = None
+
+
+def run_regen(opts: RegenOptions) -> dict[str, Any]:
+    """Regenerate ``opts.data`` into ``opts.output``; see the ``regen`` CLI options."""
+    import time
+
+    output = Path(opts.output)
     done = read_done_keys(output)
-    skips = SkipCounts(max_bad_rows=args.max_bad_rows)
-    rows = iter_chat_rows(expand_paths(list(args.data)), skips, require_assistant=False)
-    if args.max_rows:
-        rows = islice(rows, args.max_rows)
+    skips = SkipCounts(max_bad_rows=opts.max_bad_rows)
+    rows = iter_chat_rows(expand_paths(list(opts.data)), skips, require_assistant=False)
+    if opts.max_rows:
+        rows = islice(rows, opts.max_rows)
     todo, num_skipped = [], 0
     for row in rows:
         if row_key(row) in done:
             num_skipped += 1
         else:
             todo.append(row)
-    engine = build_engine(args) if todo else None
-    num_done, num_unfinished = 0, 0
+    engine = build_engine(opts) if todo else None
+    counts = {"rows_done": 0, "rows_hit_max_new_tokens": 0, "rows_failed": 0}
     output.parent.mkdir(parents=True, exist_ok=True)
-    with open(output, "a", encoding="utf-8") as out:
-        for batch in chunked(todo, args.batch_size):
-            for row, messages, finished in regenerate(engine, batch):
-                out.write(json.dumps(output_row(row, messages, finished, args, engine.name)) + "\n")
-                num_done, num_unfinished = num_done + 1, num_unfinished + (not all(finished))
-            out.flush()
-            os.fsync(out.fileno())  # a crash after this point never loses the batch
+    failed_path = Path(str(output).removesuffix(".jsonl") + ".failed.jsonl")
+    t0 = time.perf_counter()
+    with open(output, "a", encoding="utf-8") as out, open(failed_path, "w", encoding="utf-8") as failed:
+        chunk = max(opts.batch_size, 8 * opts.concurrency) if opts.endpoint else opts.batch_size
+        for batch in chunked(todo, chunk):
+            write_results(engine.regenerate(batch), opts, engine.name, out, failed, counts)
+    elapsed = time.perf_counter() - t0
+    if counts["rows_failed"]:
+        print(f"regen: {counts['rows_failed']} rows failed, see {failed_path}", file=sys.stderr)
     return {
-        "rows_done": num_done,
+        **counts,
         "rows_skipped": num_skipped,
-        "rows_hit_max_new_tokens": num_unfinished,
         "bad_rows": skips.to_dict(),
         "engine": engine.name if engine else "none",
+        "rows_per_s": round(counts["rows_done"] / elapsed, 2) if todo and elapsed > 0 else 0.0,
+        "elapsed_s": round(elapsed, 2),
         "output": str(output),
+        "failed_output": str(failed_path),
     }
+
+
+def write_results(results, opts: RegenOptions, engine_name: str, out, failed, counts: dict) -> None:
+    """Append one batch's rows (or their failures) and make them durable."""
+    for row, messages, finished, error in results:
+        if error:
+            record = {"key": row_key(row), "source": row.source, "line": row.line, "reason": error}
+            failed.write(json.dumps(record | {"messages": row.messages}) + "\n")
+            counts["rows_failed"] += 1
+            continue
+        out.write(json.dumps(output_row(row, messages, finished, opts, engine_name)) + "\n")
+        counts["rows_done"] += 1
+        counts["rows_hit_max_new_tokens"] += not all(finished)
+    for handle in (out, failed):
+        handle.flush()
+        os.fsync(handle.fileno())  # a crash after this point never loses the batch
 
 
 # ----------------------------------------------------------------------------- resume
@@ -97,15 +171,17 @@ def read_done_keys(output: Path) -> set[str]:
     return keys
 
 
-def output_row(row: ChatRow, messages: list[dict], finished: list[bool], args, engine: str) -> dict:
+def output_row(
+    row: ChatRow, messages: list[dict], finished: list[bool], opts: RegenOptions, engine: str
+) -> dict:
     meta = {
         "key": row_key(row),
         "source": row.source,
         "line": row.line,
-        "target": args.target,
+        "target": opts.target,
         "engine": engine,
-        "temperature": args.temperature,
-        "thinking": args.thinking,
+        "temperature": opts.temperature,
+        "thinking": opts.thinking,
         "finished": finished,  # False where the reply hit --max-new-tokens
     }
     extra = {k: v for k, v in (row.extra or {}).items() if k != "regen"}
@@ -120,7 +196,7 @@ def chunked(items: list, size: int) -> Iterator[list]:
 # ----------------------------------------------------------------------------- generation
 
 
-def regenerate(engine, rows: list[ChatRow]) -> list[tuple[ChatRow, list[dict], list[bool]]]:
+def regenerate(engine, rows: list[ChatRow]) -> list[tuple[ChatRow, list[dict], list[bool], str | None]]:
     """Regenerate a batch turn by turn: turn t of every row is generated in one engine call."""
     conversations: list[list[dict]] = [[] for _ in rows]
     cursors = [0] * len(rows)
@@ -129,12 +205,40 @@ def regenerate(engine, rows: list[ChatRow]) -> list[tuple[ChatRow, list[dict], l
         waiting = [i for i, row in enumerate(rows) if advance_to_reply(row, conversations[i], cursors, i)]
         if not waiting:
             break
-        replies = engine.generate([conversations[i] for i in waiting])
-        for i, (text, complete) in zip(waiting, replies):
-            conversations[i].append({"role": "assistant", "content": text})
-            finished[i].append(complete)
+        keys = [turn_key(rows[i], len(finished[i])) for i in waiting]
+        replies = engine.generate([conversations[i] for i in waiting], keys)
+        for i, reply in zip(waiting, replies):
+            conversations[i].append(assistant_message(reply))
+            finished[i].append(reply.finished)
             cursors[i] += 1  # past the original assistant turn (or the end of a prompt-only row)
-    return [(row, conv, fin) for row, conv, fin in zip(rows, conversations, finished)]
+    return [(row, conv, fin, None) for row, conv, fin in zip(rows, conversations, finished)]
+
+
+def regenerate_row(complete, row: ChatRow) -> tuple[ChatRow, list[dict], list[bool], str | None]:
+    """One row's turns in sequence through ``complete(conversation, key) -> Reply``; stops at an error."""
+    conversation: list[dict] = []
+    cursors, finished = [0], []
+    while advance_to_reply(row, conversation, cursors, 0):
+        reply = complete(conversation, turn_key(row, len(finished)))
+        if reply.error:
+            return row, conversation, finished, f"assistant turn {len(finished)}: {reply.error}"
+        conversation.append(assistant_message(reply))
+        finished.append(reply.finished)
+        cursors[0] += 1
+    return row, conversation, finished, None
+
+
+def assistant_message(reply: Reply) -> dict:
+    message = {"role": "assistant", "content": reply.text}
+    if reply.reasoning:
+        message["reasoning_content"] = reply.reasoning  # a server's reasoning parser split it off
+    return message
+
+
+def turn_key(row: ChatRow, turn: int) -> int:
+    """A stable 62-bit integer per (row, assistant turn) that seeds that reply's sampling."""
+    digest = hashlib.sha1(f"{row_key(row)}#{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 2
 
 
 def advance_to_reply(row: ChatRow, conversation: list[dict], cursors: list[int], i: int) -> bool:
@@ -149,107 +253,65 @@ def advance_to_reply(row: ChatRow, conversation: list[dict], cursors: list[int],
     return prompt_only and cursors[i] == len(messages)  # one past the end once its reply exists
 
 
-def resolve_device(device: str) -> str:
-    import torch
+def build_engine(opts: RegenOptions):
+    """The endpoint client with ``--endpoint``; else vLLM when allowed and usable, else transformers."""
+    if opts.endpoint:
+        from dflash_train.data.endpoint import EndpointEngine
 
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
-def build_engine(args):
-    """vLLM when allowed and usable, else transformers."""
-    device = resolve_device(args.device)
-    want_vllm = args.engine == "vllm" or (args.engine == "auto" and device.startswith("cuda"))
+        return EndpointEngine(opts)
+    device = resolve_device(opts.device)
+    want_vllm = opts.engine == "vllm" or (opts.engine == "auto" and device.startswith("cuda"))
     if want_vllm:
         try:
             import vllm  # noqa: F401
         except ImportError as err:
-            if args.engine == "vllm":
+            if opts.engine == "vllm":
                 raise ValueError(
                     "--engine vllm needs vLLM: pip install vllm (or use --engine transformers)"
                 ) from err
         else:
-            return VllmEngine(args)
-    return TransformersEngine(args, device)
+            return VllmEngine(opts)
+    return TransformersEngine(opts, device)
 
 
 class TransformersEngine:
-    """Batched ``generate`` with left padding; greedy at temperature 0."""
+    """In-process batched sampling (``data.sampling``): left padding, KV cache, greedy at temperature 0."""
 
     name = "transformers"
 
-    def __init__(self, args, device: str):
-        import torch
+    def __init__(self, opts: RegenOptions, device: str):
+        self.model, self.tokenizer = load_generator(opts.target, device)
+        self.opts = opts
+        self.template_kwargs = template_kwargs(THINKING[opts.thinking])
+        eos = resolve_eos_ids(self.tokenizer, getattr(self.model, "generation_config", None))
+        self.stop_ids = {*eos, end_of_turn_id(self.tokenizer, "assistant", self.template_kwargs)}
+        self.pad_id = pad_id(self.tokenizer, eos)  # no pad token (Llama-3): EOS under the mask
+        self.sampling = Sampling(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
 
-        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-        self.model, self.tokenizer = load_model(args.target, dtype, device)
-        self.tokenizer.padding_side = "left"
-        self.device, self.args = device, args
-        self.template_kwargs = template_kwargs(THINKING[args.thinking])
-        self.stop_ids = stop_token_ids(self.model, self.tokenizer)
-        self.num_calls = 0
+    def regenerate(self, rows: list[ChatRow]):
+        return regenerate(self, rows)
 
-    def generate(self, conversations: list[list[dict]]) -> list[tuple[str, bool]]:
-        import torch
-
+    def generate(self, conversations: list[list[dict]], keys: list[int]) -> list[Reply]:
         prompts = [
             self.tokenizer.apply_chat_template(
                 c, tokenize=False, add_generation_prompt=True, **self.template_kwargs
             )
             for c in conversations
         ]
-        enc = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(
-            self.device
+        ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        generations = sample_batch(
+            self.model,
+            ids,
+            keys,
+            max_new_tokens=self.opts.max_new_tokens,
+            stop_ids=self.stop_ids,
+            pad_id=self.pad_id,
+            sampling=self.sampling,
         )
-        sampling = self.args.temperature > 0
-        torch.manual_seed(self.args.seed + self.num_calls)  # sampled runs are reproducible per call
-        self.num_calls += 1
-        with torch.inference_mode():
-            out = self.model.generate(
-                **enc,
-                max_new_tokens=self.args.max_new_tokens,
-                do_sample=sampling,
-                temperature=self.args.temperature if sampling else None,
-                top_p=None,
-                top_k=None,
-                eos_token_id=sorted(self.stop_ids),
-                pad_token_id=self.tokenizer.pad_token_id,
-            )
-        return [self.decode(ids) for ids in out[:, enc["input_ids"].shape[1] :].tolist()]
-
-    def decode(self, ids: list[int]) -> tuple[str, bool]:
-        """Text before the first stop token; False when the reply ran out of new tokens."""
-        stop = next((k for k, t in enumerate(ids) if t in self.stop_ids), None)
-        reply = ids if stop is None else ids[:stop]
-        return self.tokenizer.decode(reply, skip_special_tokens=False), stop is not None
-
-
-def stop_token_ids(model, tokenizer) -> set[int]:
-    ids = {tokenizer.eos_token_id}
-    configured = getattr(model.generation_config, "eos_token_id", None)
-    ids.update(configured if isinstance(configured, list) else [configured])
-    ids.discard(None)
-    if not ids:
-        raise ValueError("the target has no eos token; set eos_token_id in its generation_config.json")
-    return ids
-
-
-def load_model(path: str, dtype, device: str):
-    """(model, tokenizer); prefers the project's target loader when it exists."""
-    try:
-        from dflash_train.models.target import load_causal_lm
-    except ImportError:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-        return model, AutoTokenizer.from_pretrained(path)
-    model, tokenizer = load_causal_lm(path, dtype=dtype, device=device)
-    if tokenizer is None:
-        raise ValueError(
-            f"--target {path} has no tokenizer; regen needs the target's tokenizer and chat template"
-        )
-    return model.eval(), tokenizer
+        return [
+            Reply(self.tokenizer.decode(g.token_ids, skip_special_tokens=False), g.finished)
+            for g in generations
+        ]
 
 
 class VllmEngine:
@@ -257,22 +319,43 @@ class VllmEngine:
 
     name = "vllm"
 
-    def __init__(self, args):
-        from vllm import LLM, SamplingParams
+    def __init__(self, opts: RegenOptions):
+        from vllm import LLM
 
-        self.llm = LLM(model=args.target, seed=args.seed)
+        self.llm = LLM(model=opts.target, seed=opts.seed)
         self.tokenizer = self.llm.get_tokenizer()
-        self.params = SamplingParams(
-            temperature=args.temperature, max_tokens=args.max_new_tokens, seed=args.seed
-        )
-        self.template_kwargs = template_kwargs(THINKING[args.thinking])
+        self.opts = opts
+        self.template_kwargs = template_kwargs(THINKING[opts.thinking])
 
-    def generate(self, conversations: list[list[dict]]) -> list[tuple[str, bool]]:
+    def regenerate(self, rows: list[ChatRow]):
+        return regenerate(self, rows)
+
+    def generate(self, conversations: list[list[dict]], keys: list[int]) -> list[Reply]:
+        from vllm import SamplingParams
+
         prompts = [
             self.tokenizer.apply_chat_template(
                 c, tokenize=False, add_generation_prompt=True, **self.template_kwargs
             )
             for c in conversations
         ]
-        outputs = self.llm.generate(prompts, self.params, use_tqdm=False)
-        return [(o.outputs[0].text, o.outputs[0].finish_reason == "stop") for o in outputs]
+        params = [
+            SamplingParams(
+                temperature=self.opts.temperature,
+                top_p=self.opts.top_p,
+                max_tokens=self.opts.max_new_tokens,
+                seed=key % 2**31,
+            )
+            for key in keys
+        ]
+        # Token ids, not text: vLLM would add a second BOS to a template that already writes one.
+        ids = [
+            {"prompt_token_ids": self.tokenizer(p, add_special_tokens=False)["input_ids"]} for p in prompts
+        ]
+        outputs = self.llm.generate(ids, params, use_tqdm=False)
+        return [Reply(o.outputs[0].text, o.outputs[0].finish_reason == "stop") for o in outputs]
+
+
+def options_from_args(args) -> RegenOptions:
+    """``RegenOptions`` from parsed CLI arguments (fields of the same names)."""
+    return RegenOptions(**{f.name: getattr(args, f.name) for f in fields(RegenOptions)})

@@ -258,16 +258,19 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 def regenerate(target_dir: Path, rows_path: Path, output: Path, settings: DemoSettings) -> dict[str, Any]:
     """Greedy target replies through ``dflash-train regen``'s own entry point."""
-    from dflash_train.cli import build_parser
-    from dflash_train.data.regen import run_regen
+    from dflash_train.data.regen import RegenOptions, run_regen
 
-    # The CLI's own parser fills every option the demo does not set with the CLI's default.
-    args = build_parser().parse_args(
-        ["regen", "--target", str(target_dir), "--data", str(rows_path), "--output", str(output),
-         "--max-new-tokens", str(settings.reply_tokens), "--batch-size", str(settings.regen_batch_size),
-         "--engine", "transformers", "--device", "cpu"]
-    )  # fmt: skip
-    result = run_regen(args)
+    # Every option the demo does not set keeps the same default as the CLI (RegenOptions').
+    opts = RegenOptions(
+        target=str(target_dir),
+        data=[str(rows_path)],
+        output=str(output),
+        max_new_tokens=settings.reply_tokens,
+        batch_size=settings.regen_batch_size,
+        engine="transformers",
+        device="cpu",
+    )
+    result = run_regen(opts)
     say(
         f"regen: {result['rows_done']} replies of up to {settings.reply_tokens} tokens "
         f"({result['rows_hit_max_new_tokens']} hit the limit) -> {output}"
@@ -319,27 +322,42 @@ def check_export(trained: dict[str, Any]) -> Path:
 # ----------------------------------------------------------------------------- 6. eval
 
 
+# Held-out prompts the eval stage also decodes for real (lossless check); tau comes from exact mode.
+DEMO_DECODE_PROMPTS = 3
+
+
 def evaluate_drafter(target_dir: Path, export_dir: Path, eval_path: Path, settings: DemoSettings) -> dict:
-    """Speculative decoding on the held-out prompts: DFlash chain and n-gram lookup vs plain decoding."""
+    """Exact greedy tau of the DFlash chain and n-gram lookup on every held-out prompt
+    (``eval.exact``), and real speculative decoding of the first few for the lossless check."""
     import torch
 
+    from dflash_train.eval.exact import exact_acceptance
+    from dflash_train.eval.generate import greedy_continuations, pad_token_for
     from dflash_train.eval.prompts import load_prompts
-    from dflash_train.eval.runner import evaluate
+    from dflash_train.eval.runner import default_eos_ids, evaluate
     from dflash_train.models.export import load_drafter
     from dflash_train.models.target import load_causal_lm
 
     target, tokenizer = load_causal_lm(str(target_dir), dtype=torch.float32, device="cpu")
-    drafter, _ = load_drafter(export_dir, device="cpu", dtype=torch.float32)
+    target, drafter = target.eval(), load_drafter(export_dir, device="cpu", dtype=torch.float32)[0].eval()
     prompts = load_prompts(eval_path, tokenizer)
-    report = evaluate(
-        target.eval(),
-        tokenizer,
-        drafter.eval(),
-        prompts,
-        max_new_tokens=settings.reply_tokens,
-        methods=("dflash", "ngram"),
+    eos, methods = default_eos_ids(target, tokenizer), ("dflash", "ngram")
+    common = {"max_new_tokens": settings.reply_tokens, "eos_token_ids": eos, "methods": methods}
+    continuations = greedy_continuations(
+        target, prompts, pad_token_id=pad_token_for(tokenizer, eos), batch_size=8, **common
     )
-    return {**report, "num_prompts": len(prompts)}
+    exact = exact_acceptance(target, drafter, prompts, continuations, **common)
+    decoded = evaluate(target, tokenizer, drafter, prompts[:DEMO_DECODE_PROMPTS], **common)
+    report = {"methods": {}, "num_prompts": len(prompts), "num_decoded": len(prompts[:DEMO_DECODE_PROMPTS])}
+    for name in methods:
+        real = decoded["methods"][name]
+        report["methods"][name] = {
+            **exact["methods"][name],
+            "lossless": real["lossless"],
+            # fp32 on CPU: the decoded prompts' tau must be exactly the simulated one.
+            "exact_matches_decode": real["per_request_tau"] == exact["methods"][name]["per_request_tau"][: report["num_decoded"]],
+        }
+    return report
 
 
 # ----------------------------------------------------------------------------- summary

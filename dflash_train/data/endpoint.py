@@ -1,0 +1,185 @@
+"""``regen --endpoint``: regenerate through any OpenAI-compatible server (vLLM, SGLang, ...).
+
+Standard library only: ``urllib`` for HTTP and a thread pool for request concurrency (the work is
+I/O, the GIL is released while waiting). Each row's turns run in sequence in one worker; up to
+``--concurrency`` rows are in flight.
+
+- Fast failure: ``GET /models`` once at start; an unreachable server raises a ValueError naming
+  the URL, a 401/403 names ``--api-key-env``. Without ``--model`` the server's only model is used.
+- Same tokens as training: the first request's reported ``usage.prompt_tokens`` must equal the
+  local tokenizer's count for the same conversation (the local chat template with the generation
+  prompt); otherwise the server renders another template and regen refuses with both counts.
+- Retries: connection errors, timeouts, HTTP 429 and 5xx are retried with exponential backoff
+  (1 s, 2 s, 4 s, ... capped at 30 s) up to ``--retries`` times; other HTTP errors fail the row at
+  once. A failed row is reported with its reason (``OUTPUT.failed.jsonl``), never dropped silently.
+- Sampling: ``temperature``, ``top_p``, ``max_tokens`` as the in-process engine, a per-turn
+  ``seed`` from the row key, ``chat_template_kwargs.enable_thinking`` for ``--thinking on|off``.
+  A reply the server's reasoning parser split off is kept as ``reasoning_content``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from dflash_train.data.regen import THINKING, RegenOptions, Reply, advance_to_reply, regenerate_row
+
+MAX_BACKOFF_S = 30.0
+CONNECT_CHECK_TIMEOUT_S = 10.0
+
+
+class RequestError(Exception):
+    """A request that failed; ``retryable`` says whether trying again may help."""
+
+    def __init__(self, message: str, retryable: bool):
+        super().__init__(message)
+        self.retryable = retryable
+
+
+def base_url(endpoint: str) -> str:
+    """``http://HOST:PORT/v1`` from what the user typed (a bare ``http://HOST:PORT`` gets ``/v1``)."""
+    url = endpoint.rstrip("/")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"--endpoint {endpoint!r}: give a URL such as http://127.0.0.1:8000/v1")
+    if url.count("/") == 2:  # scheme://host[:port] without a path
+        url += "/v1"
+    return url
+
+
+class EndpointEngine:
+    """Regenerates rows through ``/chat/completions`` of an OpenAI-compatible server."""
+
+    name = "endpoint"
+
+    def __init__(self, opts: RegenOptions, backoff_s: float = 1.0):
+        from dflash_train.models.target import load_tokenizer
+
+        self.opts, self.url, self.backoff_s = opts, base_url(opts.endpoint), backoff_s
+        self.headers = {"Content-Type": "application/json"}
+        if opts.api_key_env:
+            key = os.environ.get(opts.api_key_env)
+            if not key:
+                raise ValueError(f"--api-key-env {opts.api_key_env}: that environment variable is not set")
+            self.headers["Authorization"] = f"Bearer {key}"
+        self.tokenizer = load_tokenizer(opts.target, trust_remote_code=False)
+        if self.tokenizer is None:
+            raise ValueError(
+                f"--target {opts.target} has no tokenizer; regen tokenizes locally to check the server"
+            )
+        self.model = opts.model or self.served_model()
+        self.checked = False
+
+    # ------------------------------------------------------------------ HTTP
+
+    def request(self, path: str, payload: dict | None, timeout: float) -> dict[str, Any]:
+        """One HTTP call; raises ``RequestError`` (retryable or not) on failure."""
+        data = json.dumps(payload).encode() if payload is not None else None
+        req = urllib.request.Request(self.url + path, data=data, headers=self.headers)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            body = err.read()[:300].decode("utf-8", "replace")
+            raise RequestError(f"HTTP {err.code}: {body}", err.code == 429 or err.code >= 500) from err
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
+            raise RequestError(f"{type(err).__name__}: {getattr(err, 'reason', err)}", True) from err
+        except json.JSONDecodeError as err:
+            raise RequestError(f"the server's reply is not JSON: {err}", True) from err
+
+    def served_model(self) -> str:
+        """The only model the server lists (``--model`` picks one when it serves several)."""
+        try:
+            listing = self.request("/models", None, min(CONNECT_CHECK_TIMEOUT_S, self.opts.timeout_s))
+        except RequestError as err:
+            hint = f" (is {self.opts.api_key_env} the right key?)" if "HTTP 40" in str(err) else ""
+            raise ValueError(
+                f"cannot reach the OpenAI-compatible endpoint {self.url}/models: {err}{hint}; start the server "
+                "(see docs/data.md for the vLLM and SGLang commands) or fix --endpoint"
+            ) from err
+        names = [m.get("id") for m in listing.get("data", [])]
+        if len(names) != 1:
+            raise ValueError(f"{self.url} serves models {names}: choose one with --model")
+        return names[0]
+
+    def payload(self, conversation: list[dict], key: int, max_tokens: int) -> dict[str, Any]:
+        body = {
+            "model": self.model,
+            "messages": conversation,
+            "max_tokens": max_tokens,
+            "temperature": self.opts.temperature,
+            "top_p": self.opts.top_p,
+            "seed": key % 2**31,
+        }
+        thinking = THINKING[self.opts.thinking]
+        if thinking is not None:
+            body["chat_template_kwargs"] = {"enable_thinking": thinking}
+        return body
+
+    def completion(self, conversation: list[dict], key: int, max_tokens: int) -> dict[str, Any]:
+        """A chat completion with retries; raises the last ``RequestError``."""
+        for attempt in range(self.opts.retries + 1):
+            try:
+                return self.request(
+                    "/chat/completions", self.payload(conversation, key, max_tokens), self.opts.timeout_s
+                )
+            except RequestError as err:
+                if not err.retryable or attempt == self.opts.retries:
+                    raise
+                time.sleep(min(MAX_BACKOFF_S, self.backoff_s * 2**attempt))
+        raise AssertionError("unreachable")
+
+    # ------------------------------------------------------------------ regen
+
+    def complete(self, conversation: list[dict], key: int) -> Reply:
+        """One assistant turn as a ``Reply`` (``error`` set when the row must be reported as failed)."""
+        try:
+            response = self.completion(conversation, key, self.opts.max_new_tokens)
+            choice = response["choices"][0]
+            message = choice["message"]
+        except RequestError as err:
+            return Reply(
+                "", False, error=f"{err} (after {self.opts.retries} retries)" if err.retryable else str(err)
+            )
+        except (KeyError, IndexError, TypeError) as err:
+            return Reply("", False, error=f"malformed completion ({type(err).__name__}: {err})")
+        reasoning = message.get("reasoning_content") or message.get("reasoning")
+        return Reply(message.get("content") or "", choice.get("finish_reason") == "stop", reasoning=reasoning)
+
+    def check_prompt_tokens(self, conversation: list[dict]) -> None:
+        """Refuse a server whose chat template gives other prompt tokens than the local one."""
+        kwargs = (
+            {} if THINKING[self.opts.thinking] is None else {"enable_thinking": THINKING[self.opts.thinking]}
+        )
+        text = self.tokenizer.apply_chat_template(
+            conversation, tokenize=False, add_generation_prompt=True, **kwargs
+        )
+        local = len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        try:
+            served = self.completion(conversation, 0, 1)["usage"]["prompt_tokens"]
+        except RequestError as err:
+            raise ValueError(f"{self.url}: the first request failed: {err}") from err
+        except (KeyError, TypeError) as err:
+            raise ValueError(
+                f"{self.url} reports no usage.prompt_tokens, so its template cannot be checked"
+            ) from err
+        if served != local:
+            raise ValueError(
+                f"{self.url} counts {served} prompt tokens for the first conversation, the local tokenizer of "
+                f"{self.opts.target} {local}: the server renders another chat template (or adds a BOS). Serve "
+                "the target with its own tokenizer and template, or point --target at the served one."
+            )
+
+    def regenerate(self, rows):
+        """Rows in input order, each regenerated by one worker (turns in sequence)."""
+        if not self.checked and rows:
+            conversation: list[dict] = []
+            advance_to_reply(rows[0], conversation, [0], 0)
+            self.check_prompt_tokens(conversation)
+            self.checked = True
+        with ThreadPoolExecutor(max_workers=self.opts.concurrency) as pool:
+            return list(pool.map(lambda row: regenerate_row(self.complete, row), rows))

@@ -1,0 +1,195 @@
+"""Batched sampling from a causal LM for ``synth`` and ``regen``: left padding, KV cache, seeded rows.
+
+Prompts are LEFT-padded (the next token of every row sits in the last column) under an attention
+mask, with position ids that restart at 0 on each row's first real token, so a row computes what it
+would alone; the pad id never matters (tokenizers without a pad token pad with EOS). The model's own
+cache is used (KV for attention layers, conv/recurrent state for GatedDeltaNet layers), and only the
+last position's logits are computed. Generation stops as soon as every row has hit a stop id, and
+once at most half of the rows are still running the finished ones are dropped from the batch (their
+cache rows too), so a few long replies do not keep paying for a full batch.
+
+Randomness is per row, not per batch: the uniform number that picks row r's token at step t is a
+splitmix64 hash of (seed, key[r], t) (inverse-CDF sampling over the temperature- and top-p-shaped
+distribution, ties broken by a stable sort). A row's draw therefore depends only on its own key and
+logits, not on the batch it lands in, its batch size or a resumed run's position. Temperature 0 is
+greedy (argmax).
+
+Shapes: R rows, L padded prompt length, V vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dflash_train.data.anchors import shift_right_logical, splitmix64
+
+CHECK_EVERY = 4  # steps between host syncs that test "all rows done" and compact the batch
+MIN_ROWS_TO_COMPACT = 8
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How tokens are picked: greedy at ``temperature`` 0, else nucleus (``top_p``) sampling."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise ValueError(
+                f"temperature {self.temperature} / top_p {self.top_p}: use temperature >= 0 and 0 < top_p <= 1"
+            )
+
+
+@dataclass
+class Generation:
+    """One row's new tokens (stop token excluded) and whether it ended on a stop token."""
+
+    token_ids: list[int]
+    finished: bool
+
+
+def row_uniforms(seed: int, keys: torch.Tensor, step: int) -> torch.Tensor:
+    """Uniforms in [0, 1) per row for decoding step ``step``: [R] float32."""
+    base = splitmix64(torch.tensor([seed], dtype=torch.int64, device=keys.device))
+    row = splitmix64(base ^ keys)
+    step_key = splitmix64(torch.tensor([step], dtype=torch.int64, device=keys.device))
+    bits = shift_right_logical(splitmix64(row ^ step_key), 11)  # 53 random bits
+    return (bits.to(torch.float64) * 2.0**-53).to(torch.float32)
+
+
+def choose_tokens(logits: torch.Tensor, uniforms: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """Next token per row from ``logits`` [R, V] (float32): argmax, or inverse-CDF nucleus sampling."""
+    if sampling.temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits / sampling.temperature, dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    if sampling.top_p < 1:
+        # The nucleus: tokens whose preceding mass is below top_p (the most likely is always in).
+        outside = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= sampling.top_p
+        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+    cdf = sorted_probs.cumsum(dim=-1)
+    threshold = uniforms[:, None] * cdf[:, -1:]
+    pick = (cdf < threshold).sum(dim=-1).clamp(max=logits.shape[-1] - 1)  # first index with cdf >= u
+    return order.gather(-1, pick[:, None]).squeeze(-1)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [R, L], attention_mask [R, L]) with every prompt right-aligned."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for r, prompt in enumerate(prompts):
+        ids[r, width - len(prompt) :] = torch.as_tensor(list(prompt), dtype=torch.long)
+        mask[r, width - len(prompt) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+@torch.inference_mode()
+def sample_batch(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    keys: Sequence[int],
+    *,
+    max_new_tokens: int,
+    stop_ids: Collection[int],
+    pad_id: int,
+    sampling: Sampling,
+) -> list[Generation]:
+    """Continue every prompt until a stop id or ``max_new_tokens``; ``keys`` seed each row's draws."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: use >= 1")
+    if not prompts or any(len(p) == 0 for p in prompts) or len(keys) != len(prompts):
+        raise ValueError("sample_batch needs non-empty prompts and one key per prompt")
+    device = next(model.parameters()).device
+    ids, mask = left_pad(prompts, pad_id, device)
+    positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
+    row_keys = torch.as_tensor(list(keys), dtype=torch.int64, device=device)
+    stops = torch.as_tensor(sorted(stop_ids), dtype=torch.long, device=device)
+    rows = torch.arange(len(prompts), device=device)  # original row of each batch slot
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+    cache, last_pos = out.past_key_values, positions[:, -1:]
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (rows, tokens, done before)
+    for step in range(max_new_tokens):
+        tokens = choose_tokens(
+            out.logits[:, -1].float(), row_uniforms(sampling.seed, row_keys, step), sampling
+        )
+        steps.append((rows, tokens, done))
+        done = done | torch.isin(tokens, stops)
+        if step == max_new_tokens - 1:
+            break
+        if (step + 1) % CHECK_EVERY == 0:
+            num_running = int((~done).sum())  # host sync: needed to stop early and to compact
+            if num_running == 0:
+                break
+            if num_running <= len(done) // 2 and len(done) >= MIN_ROWS_TO_COMPACT:
+                keep = (~done).nonzero().squeeze(-1)
+                if compact_cache(cache, keep):
+                    rows, row_keys, mask, last_pos, done, tokens = (
+                        t[keep] for t in (rows, row_keys, mask, last_pos, done, tokens)
+                    )
+        tokens = torch.where(done, torch.full_like(tokens, pad_id), tokens)  # finished rows idle on pad
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        last_pos = last_pos + 1
+        out = model(
+            input_ids=tokens[:, None],
+            attention_mask=mask,
+            position_ids=last_pos,
+            past_key_values=cache,
+            use_cache=True,
+        )
+    return collect(steps, len(prompts), stops)
+
+
+def compact_cache(cache, keep: torch.Tensor) -> bool:
+    """Keep only batch rows ``keep`` of the model's cache; False when the cache cannot reorder."""
+    reorder = getattr(cache, "reorder_cache", None)
+    if reorder is None:
+        return False  # an exotic cache class: keep stepping the whole batch (slower, same result)
+    reorder(keep)
+    return True
+
+
+def collect(steps, num_rows: int, stops: torch.Tensor) -> list[Generation]:
+    """Per-row token lists up to (excluding) the first stop id, from the per-step records."""
+    tokens_per_row: list[list[int]] = [[] for _ in range(num_rows)]
+    finished = [False] * num_rows
+    stop_set = set(stops.tolist())
+    for rows, tokens, done_before in steps:
+        for r, t, d in zip(rows.tolist(), tokens.tolist(), done_before.tolist()):
+            if d:
+                continue
+            if t in stop_set:
+                finished[r] = True
+            else:
+                tokens_per_row[r].append(t)
+    return [Generation(ids, fin) for ids, fin in zip(tokens_per_row, finished)]
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> cuda when available, else cpu."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def load_generator(path: str, device: str):
+    """(model, tokenizer) of a target for generation: bf16 on CUDA, fp32 on CPU, guarded loading.
+
+    The project's target loader refuses a checkpoint with missing weights (which transformers would
+    silently random-initialise) and loads multimodal Qwen3.5/3.6 checkpoints as text models.
+    """
+    from dflash_train.models.target import load_causal_lm
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    model, tokenizer = load_causal_lm(path, dtype=dtype, device=device)
+    if tokenizer is None:
+        raise ValueError(
+            f"--target {path} has no tokenizer; generation needs the target's tokenizer and chat template"
+        )
+    return model.eval(), tokenizer

@@ -1,0 +1,169 @@
+"""``dflash-train synth``: Magpie prefixes per template family, filters, determinism and resume."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from dflash_train.cli import main
+from dflash_train.data.prompt_filters import PromptFilter, normalise
+from dflash_train.data.special_tokens import end_of_turn_id
+from dflash_train.data.synth import SynthOptions, magpie_prefix, run_synth
+from tests.chat_families import SHOUTING_TEMPLATE, family_tokenizer, save_family_target, train_chatty_target
+
+PROMPTS = [
+    f"please {v} the {n}"
+    for v in ("explain", "describe", "write about")
+    for n in ("sea", "moon", "rain", "python")
+]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Two threads on a shared 2-core machine run ~15x slower than one for these tiny models."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def chatty_dir(tmp_path_factory):
+    torch.set_num_threads(1)
+    return train_chatty_target(tmp_path_factory.mktemp("chatty"), PROMPTS, ["ok."] * len(PROMPTS), steps=150)
+
+
+def options(target, output, **overrides):
+    base = dict(target=str(target), output=str(output), num_rows=8, batch_size=16, max_prompt_tokens=16)
+    return SynthOptions(**(base | dict(device="cpu", max_reply_tokens=8) | overrides))
+
+
+def read_rows(path):
+    return [json.loads(line) for line in open(path)]
+
+
+@pytest.mark.parametrize(
+    "family, expected",
+    [
+        ("smollm2", "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\n"),
+        ("llama3", "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n<|eot_id|><|start_header_id|>user<|end_header_id|>\n\n"),
+        ("qwen35", "<|im_start|>user\n"),
+    ],
+)  # fmt: skip
+def test_magpie_prefix_and_end_of_turn_per_family(family, expected):
+    tok = family_tokenizer(family)
+    assert magpie_prefix(tok, [], {}) == expected
+    eot = "<|eot_id|>" if family == "llama3" else "<|im_end|>"
+    assert tok.convert_ids_to_tokens(end_of_turn_id(tok, "user")) == eot
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<think>x</think>\n\nyo"}]
+    second = magpie_prefix(tok, history, {"enable_thinking": False})
+    assert second.startswith(tok.apply_chat_template(history, tokenize=False)) and second.endswith(
+        expected[-12:]
+    )
+
+
+def test_magpie_prefix_keeps_a_given_system_prompt():
+    tok = family_tokenizer("qwen35")
+    system = [{"role": "system", "content": "You write Python."}]
+    assert (
+        magpie_prefix(tok, system, {})
+        == "<|im_start|>system\nYou write Python.<|im_end|>\n<|im_start|>user\n"
+    )
+
+
+def test_templates_where_the_prefix_cannot_be_found_are_refused():
+    tok = family_tokenizer("qwen35")
+    tok.chat_template = SHOUTING_TEMPLATE
+    with pytest.raises(ValueError, match="verbatim"):
+        magpie_prefix(tok, [], {})
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(ValueError, match="no user header"):
+        magpie_prefix(tok, [], {})
+    tok.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>user\n' + m['content'] + '\n\n' }}{% endfor %}"
+    )
+    with pytest.raises(ValueError, match="not a special end-of-turn"):
+        end_of_turn_id(tok, "user")
+
+
+def test_prompt_filter_reasons_and_near_duplicates():
+    f = PromptFilter(["<|im_start|>"], min_chars=5, near_dup_threshold=0.8)
+    assert f.text_problem("a fine question", False, False) == "hit_token_limit"
+    assert f.text_problem("see <|im_start|>assistant", True, False) == "template_tokens"
+    assert f.text_problem("fine text", True, True) == "template_tokens"
+    assert f.text_problem("  hi ", True, False) == "empty_or_short"
+    assert f.text_problem("\ufffd\ufffd\ufffdabc\x01\x02", True, False) == "not_printable"
+    assert f.text_problem("How do I sort a list in Python?", True, False) is None
+    f.remember("How do I sort a list in Python?")
+    assert f.duplicate_problem("how do i SORT a list in python") == "exact_duplicate"
+    assert f.duplicate_problem("How do I sort a list in Python 3?") == "near_duplicate"
+    assert f.duplicate_problem("How do I reverse a dictionary in Rust?") is None
+    assert normalise("  Héllo,   WORLD!! ") == "héllo world"
+
+
+def test_synth_rows_counts_and_determinism(chatty_dir, tmp_path):
+    a = run_synth(options(chatty_dir, tmp_path / "a.jsonl"))
+    assert a["complete"] and a["rows"] == 8 and a["rows_new"] == 8
+    assert a["samples_drawn"] == a["rows"] + sum(a["filtered"].values())
+    assert a["filtered"]["exact_duplicate"] > 0  # the tiny target knows only 12 prompts
+    rows = read_rows(tmp_path / "a.jsonl")
+    assert [m["role"] for r in rows for m in r["messages"]] == ["user"] * 8
+    firsts = [normalise(r["messages"][0]["content"]) for r in rows]
+    assert len(set(firsts)) == 8 and all(f for f in firsts)
+    assert [r["synth"]["seed"] for r in rows] == [0] * 8 and sorted(r["synth"]["index"] for r in rows) == [
+        r["synth"]["index"] for r in rows
+    ]
+    # Randomness is keyed by sample index: another batch size draws the same rows.
+    run_synth(options(chatty_dir, tmp_path / "b.jsonl", batch_size=5))
+    assert read_rows(tmp_path / "b.jsonl") == rows
+    run_synth(options(chatty_dir, tmp_path / "c.jsonl", seed=1))
+    assert read_rows(tmp_path / "c.jsonl") != rows
+
+
+def test_synth_resumes_exactly(chatty_dir, tmp_path):
+    whole = tmp_path / "whole.jsonl"
+    run_synth(options(chatty_dir, whole, num_rows=8))
+    part = tmp_path / "part.jsonl"
+    first = run_synth(options(chatty_dir, part, num_rows=4))
+    assert first["rows"] == 4
+    with open(part, "a") as fh:  # a row written after the last state update, then a torn line
+        fh.write(
+            json.dumps({"messages": [{"role": "user", "content": "unrecorded"}], "synth": {}}) + '\n{"mes'
+        )
+    second = run_synth(options(chatty_dir, part, num_rows=8))
+    assert second["rows"] == 8 and second["rows_new"] == 4
+    assert read_rows(part) == read_rows(whole)
+    assert second["filtered"] == json.loads(open(str(whole) + ".state.json").read())["filtered"]
+    with pytest.raises(ValueError, match="other settings"):
+        run_synth(options(chatty_dir, part, num_rows=9, temperature=0.7))
+    stray = tmp_path / "stray.jsonl"
+    stray.write_text('{"messages": []}\n')
+    with pytest.raises(ValueError, match="no stray.jsonl.state.json"):
+        run_synth(options(chatty_dir, stray))
+
+
+def test_synth_two_turns_alternate(chatty_dir, tmp_path):
+    out = tmp_path / "t.jsonl"
+    result = run_synth(options(chatty_dir, out, num_rows=2, turns=2, system="Be kind.", max_samples=400))
+    rows = read_rows(out)
+    assert result["rows"] == 2 and result["filtered"]["reply_hit_token_limit"] > 0
+    assert all([m["role"] for m in r["messages"]] == ["system", "user", "assistant", "user"] for r in rows)
+    assert all(r["messages"][0]["content"] == "Be kind." and r["synth"]["turns"] == 2 for r in rows)
+
+
+def test_synth_on_a_padless_llama3_target_counts_every_sample(tmp_path):
+    target = save_family_target(tmp_path / "llama", "llama3")
+    assert family_tokenizer("llama3").pad_token is None
+    result = run_synth(options(target, tmp_path / "l.jsonl", num_rows=4, max_samples=12, batch_size=6))
+    assert result["samples_drawn"] == 12 or result["complete"]
+    assert result["samples_drawn"] == result["rows"] + sum(result["filtered"].values())
+
+
+def test_synth_cli_json(chatty_dir, tmp_path, capsys):
+    out = tmp_path / "cli.jsonl"
+    argv = ["synth", "--target", str(chatty_dir), "--output", str(out), "--num-rows", "3"]
+    assert main([*argv, "--max-prompt-tokens", "16", "--device", "cpu", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["rows"] == 3 and set(result["filtered"]) >= {"near_duplicate", "exact_duplicate"}
+    assert os.path.exists(str(out) + ".state.json")
