@@ -1,0 +1,204 @@
+"""``regen --endpoint`` against a real OpenAI-compatible HTTP server on 127.0.0.1.
+
+The server is a small stdlib ``http.server`` in a thread that serves a tiny target through
+transformers (``/v1/models``, ``/v1/chat/completions`` with greedy ``generate`` and usage counts).
+Knobs on the server plant the failures a real deployment has: a prompt that always errors, one
+that errors a few times first, a template that counts other prompt tokens, a required API key.
+"""
+
+import dataclasses
+import json
+import socket
+import threading
+import time
+from collections import Counter
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dflash_train.cli import build_parser
+from dflash_train.data.regen import options_from_args, run_regen
+
+
+class TinyServer:
+    """A tiny target behind the OpenAI chat-completions API (greedy only, like a vLLM at T=0)."""
+
+    def __init__(self, target_dir, api_key=None):
+        self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        self.api_key, self.always_fail, self.fail_first = api_key, set(), Counter()
+        self.prompt_token_offset, self.requests = 0, Counter()
+        self.lock = threading.Lock()
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self.handler())
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def handler(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # keep pytest output clean
+                pass
+
+            def reply(self, code, body):
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def authorised(self):
+                if server.api_key and self.headers.get("Authorization") != f"Bearer {server.api_key}":
+                    self.reply(401, {"error": "bad key"})
+                    return False
+                return True
+
+            def do_GET(self):
+                if self.authorised():
+                    self.reply(200, {"data": [{"id": "tiny"}]})
+
+            def do_POST(self):
+                if not self.authorised():
+                    return
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                code, answer = server.complete(body)
+                self.reply(code, answer)
+
+        return Handler
+
+    def complete(self, body):
+        last = body["messages"][-1]["content"]
+        with self.lock:
+            self.requests[last] += 1
+            if last in self.always_fail:
+                return 500, {"error": "planted failure"}
+            if self.fail_first[last] > 0:
+                self.fail_first[last] -= 1
+                return 503, {"error": "busy"}
+        kwargs = body.get("chat_template_kwargs") or {}
+        text = self.tokenizer.apply_chat_template(
+            body["messages"], tokenize=False, add_generation_prompt=True, **kwargs
+        )
+        ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        with self.lock, torch.inference_mode():
+            out = self.model.generate(
+                ids,
+                max_new_tokens=body["max_tokens"],
+                do_sample=False,
+                pad_token_id=self.tokenizer.pad_token_id,
+            )
+        new = out[0, ids.shape[1] :].tolist()
+        eos = self.tokenizer.eos_token_id
+        stopped = eos in new
+        content = self.tokenizer.decode(new[: new.index(eos)] if stopped else new, skip_special_tokens=False)
+        usage = {"prompt_tokens": ids.shape[1] + self.prompt_token_offset, "completion_tokens": len(new)}
+        choice = {
+            "message": {"role": "assistant", "content": content},
+            "finish_reason": "stop" if stopped else "length",
+        }
+        return 200, {"choices": [choice], "usage": usage}
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+ROWS = [
+    {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "old"}, {"role": "user", "content": "more"}, {"role": "assistant", "content": "old"}]},
+    {"messages": [{"role": "user", "content": "prompt only"}]},
+    {"messages": [{"role": "user", "content": "flaky"}]},
+    {"messages": [{"role": "user", "content": "doomed"}]},
+]  # fmt: skip
+
+
+@pytest.fixture
+def server(tiny_qwen3_dir):
+    srv = TinyServer(tiny_qwen3_dir)
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def chat_file(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return path
+
+
+def endpoint_options(target, data, output, url, *extra, **overrides):
+    argv = ["regen", "--target", str(target), "--data", str(data), "--output", str(output), "--endpoint", url]
+    argv += ["--max-new-tokens", "4", "--concurrency", "3", "--retries", "2", *extra]
+    return dataclasses.replace(options_from_args(build_parser().parse_args(argv)), **overrides)
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_endpoint_regen_matches_local_greedy_and_reports_failures(
+    server, tiny_qwen3_dir, chat_file, tmp_path, monkeypatch
+):
+    monkeypatch.setattr("dflash_train.data.endpoint.MAX_BACKOFF_S", 0.05)
+    server.always_fail.add("doomed")
+    server.fail_first["flaky"] = 2  # two 503s, then an answer: retried, not failed
+    output = tmp_path / "regen.jsonl"
+    result = run_regen(endpoint_options(tiny_qwen3_dir, chat_file, output, server.url))
+    assert result["engine"] == "endpoint" and result["rows_done"] == 3 and result["rows_failed"] == 1
+    failed = read_jsonl(tmp_path / "regen.failed.jsonl")
+    assert len(failed) == 1 and failed[0]["line"] == 4 and "HTTP 500" in failed[0]["reason"]
+    assert server.requests["doomed"] == 3 and server.requests["flaky"] == 3  # 1 + 2 retries each
+
+    local = tmp_path / "local.jsonl"
+    argv = ["regen", "--target", str(tiny_qwen3_dir), "--data", str(chat_file), "--output", str(local)]
+    run_regen(
+        options_from_args(build_parser().parse_args([*argv, "--max-new-tokens", "4", "--device", "cpu"]))
+    )
+    by_line = {r["regen"]["line"]: r["messages"] for r in read_jsonl(local)}
+    for row in read_jsonl(output):
+        assert row["messages"] == by_line[row["regen"]["line"]]  # same greedy replies, same turns
+
+    # A rerun retries only the failed row (now healed) and appends it.
+    server.always_fail.clear()
+    again = run_regen(endpoint_options(tiny_qwen3_dir, chat_file, output, server.url))
+    assert again["rows_done"] == 1 and again["rows_skipped"] == 3 and again["rows_failed"] == 0
+    assert (tmp_path / "regen.failed.jsonl").read_text() == ""
+
+
+def test_endpoint_refuses_a_server_with_another_template(server, tiny_qwen3_dir, chat_file, tmp_path):
+    server.prompt_token_offset = 1  # e.g. a server that adds a BOS the local template does not write
+    with pytest.raises(ValueError, match="counts .* prompt tokens"):
+        run_regen(endpoint_options(tiny_qwen3_dir, chat_file, tmp_path / "o.jsonl", server.url))
+
+
+def test_unreachable_endpoint_fails_fast_naming_the_url(tiny_qwen3_dir, chat_file, tmp_path):
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/v1"
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=f"cannot reach .*127.0.0.1:{port}/v1"):
+        run_regen(endpoint_options(tiny_qwen3_dir, chat_file, tmp_path / "o.jsonl", url))
+    assert time.perf_counter() - start < 5
+
+
+def test_endpoint_api_key(tiny_qwen3_dir, chat_file, tmp_path, monkeypatch):
+    srv = TinyServer(tiny_qwen3_dir, api_key="sekret")
+    try:
+        with pytest.raises(ValueError, match="HTTP 401"):
+            run_regen(endpoint_options(tiny_qwen3_dir, chat_file, tmp_path / "a.jsonl", srv.url))
+        with pytest.raises(ValueError, match="MY_KEY: that environment variable is not set"):
+            run_regen(
+                endpoint_options(
+                    tiny_qwen3_dir, chat_file, tmp_path / "a.jsonl", srv.url, "--api-key-env", "MY_KEY"
+                )
+            )
+        monkeypatch.setenv("MY_KEY", "sekret")
+        opts = endpoint_options(
+            tiny_qwen3_dir, chat_file, tmp_path / "b.jsonl", srv.url, "--api-key-env", "MY_KEY"
+        )
+        assert run_regen(opts)["rows_done"] == 4
+    finally:
+        srv.close()
