@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -378,3 +379,48 @@ def test_resume_refuses_a_changed_objective_unless_allowed():
     ):
         check_resume_compatible(saved, now, [])
     check_resume_compatible(saved, now, ["train.loss", "train.loss_weighting"])  # e.g. KL fine-tuning
+
+
+LOSS_OVERRIDES = ("train.loss=ce+kl", "train.kl_topk=8", "train.loss_weighting=dpace")
+
+
+def two_rank_options_worker(rank: int, port: int, task: dict, out_dir: str, grads_path: str) -> None:
+    import os
+
+    from dflash_train.train.trainer import train
+    from tests.test_loss_wiring import gradient_saver
+    from tests.train_helpers import tiny_config
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
+    )
+    torch.set_num_threads(1)
+    cfg = tiny_config(task, out_dir, "train.max_steps=1", "train.parallel=ddp", *LOSS_OVERRIDES)
+    train(cfg, gradient_saver(Path(grads_path)))
+
+
+def test_kl_and_dpace_are_normalised_over_ranks_like_one_process(train_task, tmp_path, monkeypatch):
+    """ce+kl with D-PACE weights: a 2-rank step and one process stepping over the same global
+    batch (grad_accum=2) give the same loss and the same gradients."""
+    import dflash_train.data.loader as loader
+    from dflash_train.train.trainer import train
+    from tests.test_loss_wiring import BothRanks, first_step_loss, free_port, gradient_saver
+    from tests.train_helpers import spawn_ranks, tiny_config
+
+    two = tmp_path / "two"
+    args = (free_port(), train_task, str(two), str(tmp_path / "two.pt"))
+    spawn_ranks(two_rank_options_worker, args, nprocs=2)
+    build = loader.build_train_data
+
+    def both_ranks(cfg, tokenizer, *, seed, rank=0, world_size=1, **kwargs):
+        return BothRanks([build(cfg, tokenizer, seed=seed, rank=r, world_size=2, **kwargs) for r in (0, 1)])
+
+    monkeypatch.setattr(loader, "build_train_data", both_ranks)
+    one = tmp_path / "one"
+    cfg = tiny_config(train_task, one, "train.max_steps=1", "train.grad_accum=2", *LOSS_OVERRIDES)
+    train(cfg, gradient_saver(tmp_path / "one.pt"))
+    assert first_step_loss(one) == pytest.approx(first_step_loss(two), rel=1e-6)
+    grads_one, grads_two = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert set(grads_one) == set(grads_two) and grads_one
+    for name, grad in grads_one.items():
+        torch.testing.assert_close(grads_two[name], grad, rtol=1e-5, atol=1e-8, msg=name)
