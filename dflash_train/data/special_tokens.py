@@ -163,3 +163,21 @@ def describe_token(tokenizer, token_id: int) -> str:
     if token_id >= len(tokenizer):
         return f"{token_id} (an embedding row past the tokenizer's {len(tokenizer)} tokens)"
     return f"{token_id} {tokenizer.convert_ids_to_tokens(token_id)!r}"
+
+
+def auto_mask_token_id(target) -> tuple[int, str]:
+    """(id, description) of the mask token chosen for a loaded ``FrozenTarget`` without one set.
+
+    Refuses, besides the tokenizer's own pad/eos/bos/unk and template tokens, every pad/eos id of
+    the target's configs and generation config.
+    """
+    from dflash_train.models.target import special_token_ids as config_special_ids
+
+    if target.tokenizer is None:
+        raise ValueError(
+            "the target has no tokenizer to choose a mask token from: set drafter.mask_token_id to an "
+            "embedding row that never occurs in the data (not pad/eos)"
+        )
+    num_embeddings = target.embed_tokens.weight.shape[0]
+    chosen = choose_mask_token(target.tokenizer, num_embeddings, config_special_ids(target))
+    return chosen, describe_token(target.tokenizer, chosen)

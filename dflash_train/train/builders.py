@@ -35,11 +35,11 @@ def build_drafter(cfg: RunConfig, target, info: DistInfo):
     check_serving_layer_ids(target.target_layer_ids, target.num_layers, cfg.target.allow_last_layer)
     mask = cfg.drafter.mask_token_id if cfg.drafter.mask_token_id >= 0 else None
     if mask is None and cfg.drafter.preset in ("from-target", "tiny"):
-        mask = getattr(target.tokenizer, "mask_token_id", None)
-        if mask is None:
-            raise ValueError(
-                "the target tokenizer has no mask token: set drafter.mask_token_id to an unused embedding row (not pad/eos)."
-            )
+        from dflash_train.data.special_tokens import auto_mask_token_id
+        from dflash_train.train.logging import log_main
+
+        mask, described = auto_mask_token_id(target)
+        log_main(f"drafter.mask_token_id not set: chose {described} (set it in the recipe to override)")
     draft_config = resolve_drafter_config(
         cfg.drafter,
         target.config,
