@@ -1,0 +1,126 @@
+"""Synthesize prompts with a real target, regenerate them, report rows/s, bring the rows back gzipped.
+
+    python3 scripts/gpu_synth_regen.py --target /path/to/smollm2 --out-dir "$OUT" \
+        --num-rows 20000 --synth-batch-size 512 --regen-rows 12000 --regen-batch-size 512 --max-new-tokens 512
+
+Working files (plain JSONL, resumable: rerunning with the same --work-dir continues both stages) go
+to --work-dir; --out-dir receives ``prompts.jsonl.gz`` / ``regen.jsonl.gz`` (split into
+``.partNN.jsonl.gz`` files when one would pass --max-part-mib), ``regen.failed.jsonl`` when rows
+failed, and ``summary.json`` with both stages' results (rows/s, filter counts, elapsed seconds).
+Needs torch and transformers only (no ``datasets``, no network).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash_train.data.regen import RegenOptions, run_regen  # noqa: E402
+from dflash_train.data.synth import SynthOptions, run_synth  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--target", required=True, help="HF directory of the real target")
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--work-dir", default="runs/synth-regen", help="git-ignored, so it survives between runs")
+    p.add_argument("--stages", default="synth,regen", help="synth, regen or both (each resumes its output)")
+    p.add_argument("--num-rows", type=int, default=20000, help="prompts kept after the filters")
+    p.add_argument("--synth-batch-size", type=int, default=512)
+    p.add_argument("--max-prompt-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=0.99)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--regen-rows", type=int, default=0, help="prompts to regenerate (0 = all)")
+    p.add_argument("--regen-batch-size", type=int, default=512)
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--max-part-mib", type=float, default=15.0, help="largest gzip file brought back")
+    return p.parse_args()
+
+
+def gzip_parts(source: Path, out_dir: Path, max_mib: float) -> list[str]:
+    """``source`` gzipped into ``out_dir``; rolled over into numbered parts before ``max_mib``."""
+    limit, names, part, out, raw = int(max_mib * 2**20 * 0.9), [], 0, None, None
+    with open(source, "rb") as lines:
+        for line in lines:
+            if out is None:
+                names.append(f"{source.stem}.part{part:02d}.jsonl.gz")
+                raw = open(out_dir / names[-1], "wb")
+                out = gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9)
+            out.write(line)
+            if raw.tell() >= limit:  # compressed bytes flushed so far; the margin covers the rest
+                out.close(), raw.close()
+                out, part = None, part + 1
+    if out is not None:
+        out.close(), raw.close()
+    if len(names) == 1:  # one file: the plain name
+        (out_dir / names[0]).rename(out_dir / f"{source.name}.gz")
+        names = [f"{source.name}.gz"]
+    return names
+
+
+def main() -> int:
+    args = parse_args()
+    import torch
+    import transformers
+
+    work, out_dir = Path(args.work_dir), Path(args.out_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prompts, regen = work / "prompts.jsonl", work / "regen.jsonl"
+    t0, stages = time.perf_counter(), args.stages.split(",")
+    synth = regenerated = None
+    if "synth" in stages:
+        synth = run_synth(
+            SynthOptions(
+                target=args.target,
+                output=str(prompts),
+                num_rows=args.num_rows,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                max_prompt_tokens=args.max_prompt_tokens,
+                seed=args.seed,
+                batch_size=args.synth_batch_size,
+            )
+        )
+        print("synth:", json.dumps(synth), flush=True)
+    if "regen" in stages:
+        regenerated = run_regen(
+            RegenOptions(
+                target=args.target,
+                data=[str(prompts)],
+                output=str(regen),
+                max_new_tokens=args.max_new_tokens,
+                batch_size=args.regen_batch_size,
+                max_rows=args.regen_rows,
+                engine="transformers",
+            )
+        )
+        print("regen:", json.dumps(regenerated), flush=True)
+        failed = Path(regenerated["failed_output"])
+        if failed.is_file() and failed.stat().st_size:
+            shutil.copy(failed, out_dir / failed.name)
+    files = {p.name: gzip_parts(p, out_dir, args.max_part_mib) for p in (prompts, regen) if p.is_file()}
+    summary = {
+        "synth": synth,
+        "regen": regenerated,
+        "files": files,
+        "total_s": round(time.perf_counter() - t0, 1),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "args": vars(args),
+    }
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
