@@ -222,10 +222,15 @@ def test_two_targets_one_drafter_match_colocated_world_one_with_grad_accum(setup
         {"mode": "colocated", "overrides": [*overrides, f"output_dir={colocated}"]}, 1, colocated
     )
     assert codes == [0], logs(colocated)
-    codes, _ = launch(
-        {"mode": "split", "overrides": [*overrides, f"output_dir={split}", *split_overrides(2, 1)]}, 3, split
-    )
+    spec = {"mode": "split", "overrides": [*overrides, f"output_dir={split}", *split_overrides(2, 1)]}
+    codes, _ = launch({**spec, "record_checkpoint_threads": True}, 3, split)
     assert codes == [0, 0, 0], logs(split)
+    # As colocated: run_info.json (with the kernels target rank 0 bound) and background checkpoint writes.
+    info = json.loads((split / "run_info.json").read_text())
+    assert info["placement"] == "split" and (info["target_ranks"], info["drafter_ranks"]) == (2, 1)
+    assert info["target_kernels"]["chunk_gated_delta_rule"] == "torch" and info["world_size"] == 3
+    threads = (split / "results" / "checkpoint-threads.txt").read_text().split()
+    assert len(threads) == 2 and all(name.startswith("checkpoint") for name in threads), threads
     assert losses(split) == losses(colocated)
     assert max(losses(split, "split_queue_depth_max")) == 1  # max_in_flight=1 holds
     ours, theirs = final_drafter(split), final_drafter(colocated)
@@ -249,6 +254,35 @@ def test_a_crashing_target_rank_fails_every_rank_without_hanging(setup):
     assert not (run_dir / "checkpoints" / "step-00000003").exists()
 
 
+def test_a_tokenization_bug_on_target_rank_0_fails_every_rank_at_once(setup):
+    """Any exception while rank 0 tokenizes (here a planted TypeError) reaches every rank as the same
+    error within seconds, instead of leaving the others in a collective until train.dist_timeout_s."""
+    root, overrides = setup
+    run_dir = root / "tokenize-bug"
+    spec = {
+        "mode": "split",
+        # A fresh cache directory: the planted failure is in building the token cache.
+        "overrides": [
+            *overrides,
+            f"output_dir={run_dir}",
+            f"data.cache_dir={run_dir / 'cache'}",
+            *split_overrides(1, 2),
+        ],
+        "plant_tokenize_error": True,
+        "timeout": 300,
+    }
+    codes, seconds = launch(spec, 3, run_dir, timeout_s=200)
+    assert all(code != 0 for code in codes), logs(run_dir)
+    failures = [json.loads((run_dir / "results" / f"rank{r}.json").read_text()) for r in range(3)]
+    for failure in failures:
+        assert failure["error"].startswith(
+            "RuntimeError: data preparation failed on rank 0: TypeError: planted"
+        ), failure
+    failed_at = [f["time"] for f in failures]
+    assert max(failed_at) - min(failed_at) < 10, failed_at  # together, not one by one at a timeout
+    assert seconds < 150
+
+
 # ----------------------------------------------------------------------------- worker (one rank)
 
 
@@ -270,14 +304,36 @@ def worker(spec: dict) -> None:
         if r == spec.get("fail_rank") and step == spec.get("fail_step"):
             raise RuntimeError(f"injected target failure on rank {r} at step {step}")
 
-    if spec["mode"] == "split":
-        hooks = SplitHooks(
-            request_stop=request_stop,
-            before_target_forward=before_target_forward,
-        )
-        result = train_split(cfg, hooks)
-    else:
-        result = trainer.train(cfg)
+    if spec.get("record_checkpoint_threads"):
+        import threading
+
+        from dflash_train.train import checkpoint as ckpt
+
+        real_save = ckpt.save_checkpoint
+
+        def recording_save(*args, **kwargs):
+            with open(Path(spec["result_dir"], "checkpoint-threads.txt"), "a") as f:
+                f.write(threading.current_thread().name + "\n")
+            return real_save(*args, **kwargs)
+
+        ckpt.save_checkpoint = recording_save
+    if spec.get("plant_tokenize_error"):
+        from dflash_train.data import cache
+
+        def broken_check(tokenizer):
+            raise TypeError("planted tokenization failure")
+
+        cache.check_tokenizer = broken_check
+    try:
+        if spec["mode"] == "split":
+            hooks = SplitHooks(request_stop=request_stop, before_target_forward=before_target_forward)
+            result = train_split(cfg, hooks)
+        else:
+            result = trainer.train(cfg)
+    except Exception as err:
+        failure = {"error": f"{type(err).__name__}: {err}", "time": time.time()}
+        Path(spec["result_dir"], f"rank{rank}.json").write_text(json.dumps(failure))
+        raise
     Path(spec["result_dir"], f"rank{rank}.json").write_text(json.dumps(result, default=str))
 
 

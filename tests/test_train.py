@@ -52,6 +52,23 @@ def test_golden_losses_of_a_fixed_seed_run(task, tmp_path):
     assert losses == pytest.approx(golden, rel=1e-4, abs=1e-5)
 
 
+def test_logged_loss_is_the_mean_over_the_logging_interval(task, tmp_path):
+    """Like tau and acc, a row's loss covers every step since the previous row; loss_last is the last."""
+    train(tiny_config(task, tmp_path / "every", "train.max_steps=8", "checkpoint.every_steps=100"))
+    sparse = tmp_path / "sparse"
+    train(
+        tiny_config(task, sparse, "train.max_steps=8", "checkpoint.every_steps=100", "logging.every_steps=4")
+    )
+    per_step = logged_losses(tmp_path / "every")
+    rows = [json.loads(line) for line in (sparse / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [4, 8]
+    for row in rows:
+        window = [per_step[s] for s in range(row["step"] - 3, row["step"] + 1)]
+        assert row["loss"] == pytest.approx(sum(window) / 4, rel=1e-6)
+        assert row["loss_last"] == per_step[row["step"]]
+    assert rows[0]["loss"] != rows[0]["loss_last"]
+
+
 def test_nonfinite_gradient_stops_before_the_update(task, tmp_path):
     params, seen = {}, {}
 

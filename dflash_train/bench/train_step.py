@@ -153,7 +153,7 @@ def build_bench_run(
     synthetic data on ``device``."""
     from dflash_train.models.target import load_target
     from dflash_train.train.builders import build_drafter, build_optimizer, build_scheduler
-    from dflash_train.train.trainer import Run
+    from dflash_train.train.run import Run
 
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
     torch.manual_seed(0)
@@ -200,7 +200,8 @@ def teacher_flops(target_config, draft_config, seq_len: int, num_anchors: int, r
 def time_train_steps(run, steps: int, warmup: int) -> dict[str, float]:
     """Mean wall time of ``steps`` train steps after ``warmup`` untimed ones, its phase split and
     the peak memory of the timed steps."""
-    from dflash_train.train.trainer import TrainHooks, train_step
+    from dflash_train.train.colocated import train_step
+    from dflash_train.train.run import TrainHooks
 
     device = run.info.device
     timer = PhaseTimer(device)
@@ -231,7 +232,8 @@ def profile_train_step(run, path: str, rows: int = 40) -> None:
     """Profile one train step and write the ``rows`` most expensive kernels/ops as a text table."""
     from torch.profiler import ProfilerActivity, profile
 
-    from dflash_train.train.trainer import TrainHooks, train_step
+    from dflash_train.train.colocated import train_step
+    from dflash_train.train.run import TrainHooks
 
     device = run.info.device
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])

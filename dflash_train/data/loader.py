@@ -14,6 +14,7 @@ exactly the batches an uninterrupted run would have seen, on any rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -243,21 +244,44 @@ def build_train_data(
 def load_tokenized(cfg: DataConfig, tokenizer, rank: int, world_size: int) -> TokenizedData:
     """Rank 0 tokenizes while the others wait; every rank then loads the cache.
 
-    A node without a shared cache directory simply tokenizes again (same key, same result). A
-    failure on rank 0 (bad data) is broadcast so every rank raises the same error together.
+    A node without a shared cache directory simply tokenizes again (same key, same result).
+    """
+    tokenized, _ = tokenize_and_broadcast(cfg, tokenizer, is_source=rank == 0)
+    return tokenized if tokenized is not None else load_or_build(cfg, tokenizer)
+
+
+def tokenize_and_broadcast(
+    cfg: DataConfig, tokenizer, *, is_source: bool, describe: Callable[[TokenizedData], Any] | None = None
+) -> tuple[TokenizedData | None, Any]:
+    """The source rank (global rank 0) tokenizes and tells every rank the outcome, success or failure.
+
+    Colocated and split training both prepare their data through this one function. The source
+    rank builds (or loads) the token cache and returns ``(tokenized, describe(tokenized))``; every
+    other rank gets ``(None, description)`` from one ``broadcast_object_list``. ANY exception on the
+    source is caught and broadcast instead, so every rank raises the same error at once rather than
+    waiting in the collective for ``train.dist_timeout_s``: a ValueError for bad data or config (an
+    OSError included), a RuntimeError for anything else (a bug; the source chains the original).
+    Without a process group, errors propagate unchanged.
     """
     import torch.distributed as dist
 
-    if world_size > 1 and dist.is_available() and dist.is_initialized():
-        message = [None]
-        if rank == 0:
-            try:
-                load_or_build(cfg, tokenizer)
-            except Exception as err:  # recovery boundary: every rank must learn about the failure
-                message = [f"{type(err).__name__}: {err}"]
-                dist.broadcast_object_list(message, src=0)
-                raise
-        dist.broadcast_object_list(message, src=0)
-        if message[0] is not None:
-            raise ValueError(f"data preparation failed on rank 0: {message[0]}")
-    return load_or_build(cfg, tokenizer)
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if not distributed:
+        tokenized = load_or_build(cfg, tokenizer)
+        return tokenized, describe(tokenized) if describe else None
+    tokenized, failure, message = None, None, [None]
+    if is_source:
+        try:
+            tokenized = load_or_build(cfg, tokenizer)
+            message[0] = {"description": describe(tokenized) if describe else None}
+        except Exception as err:  # recovery boundary: every rank must learn about the failure
+            failure = err
+            message[0] = {
+                "error": f"{type(err).__name__}: {err}",
+                "user": isinstance(err, ValueError | OSError),
+            }
+    dist.broadcast_object_list(message, src=0)
+    if "error" in message[0]:
+        kind = ValueError if message[0]["user"] else RuntimeError
+        raise kind(f"data preparation failed on rank 0: {message[0]['error']}") from failure
+    return tokenized, message[0]["description"]

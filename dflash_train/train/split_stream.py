@@ -226,49 +226,32 @@ class FeatureReceiver:
 
 
 def share_data_info(cfg: RunConfig, layout: SplitLayout, target) -> dict[str, Any]:
-    """Target rank 0 tokenizes and tells every rank the data shape (or the error), then targets load it."""
+    """Target rank 0 tokenizes and tells every rank the data shape and its target kernels (or the
+    error, ``data.loader.tokenize_and_broadcast``); the other target ranks then load the cache."""
     from dflash_train.data.cache import load_or_build
-
-    message: list[Any] = [None]
-    tokenized = None
-    if layout.rank == 0:
-        try:
-            tokenized, message[0] = _tokenize_and_describe(cfg, target, layout)
-        except (ValueError, OSError) as err:  # recovery boundary: every rank must raise together
-            message[0] = {"error": f"{type(err).__name__}: {err}"}
-    dist.broadcast_object_list(message, src=0)
-    if "error" in message[0]:
-        raise ValueError(f"data preparation failed on target rank 0: {message[0]['error']}")
-    if layout.is_target and tokenized is None:
-        tokenized = load_or_build(cfg.data, target.tokenizer)
-    return {**message[0], "tokenized": tokenized}
-
-
-def _tokenize_and_describe(cfg: RunConfig, target, layout: SplitLayout):
-    from dflash_train.data.cache import load_or_build
-    from dflash_train.data.loader import TrainData, pad_token_id
+    from dflash_train.data.loader import TrainData, pad_token_id, tokenize_and_broadcast
     from dflash_train.train.builders import check_data_inputs
 
-    check_data_inputs(cfg, target)
-    tokenized = load_or_build(cfg.data, target.tokenizer)
-    shard0 = TrainData(
-        tokenized,
-        cfg.data,
-        seed=cfg.train.seed,
-        rank=0,
-        world_size=layout.num_drafter_ranks,
-        pad_id=pad_token_id(target.tokenizer),
-    )
-    return tokenized, {"steps_per_epoch": shard0.steps_per_epoch, "log_stats": shard0.log_stats()}
+    check_data_inputs(cfg, target)  # on every rank, before any collective: the same verdict everywhere
 
-
-def total_steps(cfg: RunConfig, steps_per_epoch: int) -> int:
-    total = cfg.train.max_steps or cfg.train.num_epochs * (steps_per_epoch // cfg.train.grad_accum)
-    if total < 1:
-        raise ValueError(
-            f"the data gives {steps_per_epoch} micro-batches per epoch per drafter rank, fewer than train.grad_accum={cfg.train.grad_accum}: add data, lower grad_accum or set train.max_steps."
+    def describe(tokenized) -> dict[str, Any]:
+        shard0 = TrainData(
+            tokenized,
+            cfg.data,
+            seed=cfg.train.seed,
+            rank=0,
+            world_size=layout.num_drafter_ranks,
+            pad_id=pad_token_id(target.tokenizer),
         )
-    return total
+        stats = {"steps_per_epoch": shard0.steps_per_epoch, "log_stats": shard0.log_stats()}
+        return {**stats, "target_kernels": target.kernels}
+
+    tokenized, shared = tokenize_and_broadcast(
+        cfg.data, target.tokenizer, is_source=layout.rank == 0, describe=describe
+    )
+    if layout.is_target and tokenized is None:
+        tokenized = load_or_build(cfg.data, target.tokenizer)
+    return {**shared, "tokenized": tokenized}
 
 
 class StreamPosition:

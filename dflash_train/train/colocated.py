@@ -1,0 +1,152 @@
+"""Colocated training (the default placement): every rank runs the frozen target and the drafter.
+
+One process per GPU (or one CPU process), one thread doing all device work. ``train_colocated``
+builds the run, then loops over optimizer steps: step, log, save. Every decision that changes
+control flow (stop on SIGTERM, stop on a non-finite loss) is taken by all ranks together through
+one small all-reduce per step (``step.optimizer_update``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_train.config import RunConfig
+from dflash_train.train import checkpoint as ckpt
+from dflash_train.train.builders import (
+    build_data,
+    build_drafter,
+    build_optimizer,
+    build_scheduler,
+    build_target,
+    seed_everything,
+)
+from dflash_train.train.faults import GracefulStop, Watchdog
+from dflash_train.train.logging import MetricsLogger, log_main
+from dflash_train.train.loss import add_metrics
+from dflash_train.train.parallel import DistInfo, init_distributed, unwrap, use_expandable_segments
+from dflash_train.train.run import (
+    Run,
+    TrainHooks,
+    export_final,
+    maybe_resume,
+    open_logger,
+    run_result,
+    save,
+    save_due,
+    total_steps,
+    write_run_info,
+)
+from dflash_train.train.step import (
+    LogWindow,
+    drafter_forward_backward,
+    optimizer_update,
+    prepare_micro_batch,
+    step_denominator,
+    step_flops,
+    target_pass,
+)
+from dflash_train.train.step_timer import PhaseTimer
+
+
+def train_colocated(cfg: RunConfig, hooks: TrainHooks) -> dict[str, Any]:
+    """Build the run, then loop over optimizer steps until done, stopped or failed."""
+    use_expandable_segments()
+    info = init_distributed(cfg.train.device, timeout_s=cfg.train.dist_timeout_s)
+    run = build_run(cfg, info)
+    logger = open_logger(run)
+    try:
+        last_loss, saved = train_loop(run, hooks, logger)
+    finally:
+        run.writer.close()  # the last checkpoint is committed before the export and the exit
+    export = export_final(run) if run.step >= run.total_steps else None
+    logger.close()
+    return run_result(run, logger, last_loss, saved, export)
+
+
+def train_loop(run: Run, hooks: TrainHooks, logger: MetricsLogger) -> tuple[float, Path | None]:
+    """Optimizer steps until done or a collective stop: step, log, save."""
+    timer, window = PhaseTimer(run.info.device), LogWindow(run.step)
+    last_loss, saved = float("nan"), None
+    stacks = Path(run.cfg.output_dir) / "watchdog-stacks.txt"
+    with GracefulStop() as stop, Watchdog(run.cfg.train.watchdog_s, stacks) as watchdog:
+        while run.step < run.total_steps:
+            watchdog.beat(run.step)
+            result = train_step(run, timer, hooks, stop_requested=lambda: stop.requested)
+            window.add(result)
+            stopping = result["stop"]  # agreed by all ranks inside the step
+            if window.due(run, stopping):
+                row = window.row(run, result, timer)
+                last_loss = row["loss"]
+                logger.log(run.step, row)
+            logger.advance(run.step)
+            if save_due(run, stopping):
+                saved = save(run)
+            if stopping:
+                log_main(f"SIGTERM: saved {saved} at step {run.step}; exiting")
+                break
+    return last_loss, saved
+
+
+def train_step(
+    run: Run, timer: PhaseTimer, hooks: TrainHooks, stop_requested=lambda: False
+) -> dict[str, Any]:
+    """One optimizer step over ``grad_accum`` micro-batches: features -> drafter fwd/bwd -> update."""
+    micro = [
+        prepare_micro_batch(run, batch, epoch)
+        for batch, epoch in (run.data.next_batch() for _ in range(run.cfg.train.grad_accum))
+    ]
+    denom = step_denominator(micro, run.group)
+    loss_total, stats_sum, flops = torch.zeros((), device=run.info.device), None, 0
+    for i, m in enumerate(micro):
+        with timer.phase("target"):
+            features, teacher_hidden = target_pass(run, m)
+        loss, stats = drafter_forward_backward(
+            run, timer, m, features, denom, last=i == len(micro) - 1, teacher_hidden=teacher_hidden
+        )
+        loss_total += loss
+        stats_sum = add_metrics(stats_sum, stats)
+        flops += step_flops(run, m)
+        del features, teacher_hidden
+    if hooks.after_backward:
+        hooks.after_backward(run)
+    # SIGTERM is read here, at the end of the step, so a signal during step k stops after step k.
+    result = optimizer_update(run, timer, loss_total, stop_requested())
+    if hooks.after_step:
+        hooks.after_step(run)
+    return {**result, "stats": stats_sum, "flops": flops}
+
+
+# ----------------------------------------------------------------------------- building
+
+
+def build_run(cfg: RunConfig, info: DistInfo) -> Run:
+    """Target, drafter, optimizer, schedule and data; then resume if a checkpoint exists."""
+    seed_everything(cfg.train.seed)
+    target = build_target(cfg, info)
+    draft_config, model = build_drafter(cfg, target, info)
+    optimizer = build_optimizer(model, cfg, info)
+    data = build_data(cfg, target, info)
+    total = total_steps(cfg, data.steps_per_epoch)
+    run = Run(
+        cfg=cfg,
+        info=info,
+        target=target,
+        draft_config=draft_config,
+        model=model,
+        optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, cfg, total),
+        data=data,
+        total_steps=total,
+        writer=ckpt.CheckpointWriter(asynchronous=cfg.checkpoint.async_write),
+    )
+    if info.is_main:
+        write_run_info(run, placement="colocated")
+    maybe_resume(run)
+    log_main(
+        f"training: {total} steps, {sum(p.numel() for p in unwrap(model).parameters()) / 1e6:.1f}M drafter params, "
+        f"world {info.world_size}, device {info.device}, target kernels {target.kernels}"
+    )
+    return run

@@ -1,0 +1,224 @@
+"""What a training run holds and what it leaves on disk: ``Run``, the run folder's metadata, and the
+save / resume / export of a run, shared by colocated and split placement.
+
+A ``Run`` trains the drafter over a process group: every rank of the job (colocated, ``group`` None)
+or the drafter ranks only (split placement). Reductions, checkpoint gathers and barriers go over
+that group; rank 0 of it writes. The checkpoint format is the same for both placements, so a split
+checkpoint resumes colocated with as many ranks as it had drafter ranks, and vice versa.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dflash_train.config import RunConfig
+from dflash_train.train import checkpoint as ckpt
+from dflash_train.train.logging import MetricsLogger, log_main
+from dflash_train.train.parallel import DistInfo, full_model_state, full_optimizer_state, unwrap
+
+
+class NonFiniteError(RuntimeError):
+    """Raised on every rank when any rank saw a non-finite loss or gradient norm."""
+
+
+@dataclass
+class TrainHooks:
+    """Test seams: called after backward (e.g. to inject a NaN) and after each optimizer step."""
+
+    after_backward: Callable[[Run], None] | None = None
+    after_step: Callable[[Run], None] | None = None
+
+
+@dataclass
+class Run:
+    """Everything a training run holds. ``info`` is this rank's place in ``group``, the process group
+    the drafter trains over (None: every rank of the job)."""
+
+    cfg: RunConfig
+    info: DistInfo
+    target: Any
+    draft_config: Any
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    data: Any
+    total_steps: int
+    group: Any = None
+    step: int = 0
+    counters: dict[str, float] = field(default_factory=lambda: {"skipped_steps": 0})
+    writer: ckpt.CheckpointWriter | None = None
+
+    @property
+    def gamma(self) -> float:
+        return self.cfg.loss_gamma
+
+
+def total_steps(cfg: RunConfig, steps_per_epoch: int) -> int:
+    """Optimizer steps of the run: ``train.max_steps``, or whole epochs of ``steps_per_epoch``
+    micro-batches per rank."""
+    total = cfg.train.max_steps or cfg.train.num_epochs * (steps_per_epoch // cfg.train.grad_accum)
+    if total < 1:
+        raise ValueError(
+            f"the data gives {steps_per_epoch} micro-batches per epoch per rank, fewer than train.grad_accum={cfg.train.grad_accum}: add data, lower grad_accum or set train.max_steps."
+        )
+    return total
+
+
+def write_run_info(run: Run, **extra: Any) -> None:
+    """The resolved recipe and the run's metadata (kernels bound, versions, world) in output_dir.
+
+    ``extra`` adds or replaces entries (split placement: the target ranks' kernels and the layout).
+    """
+    import transformers
+
+    out = Path(run.cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    run.cfg.to_yaml(out / "config.yaml")
+    info = {
+        "target_kernels": run.target.kernels,
+        "target_layer_ids": run.target.target_layer_ids,
+        "drafter": run.draft_config.to_serving_dict(),
+        "drafter_params": sum(p.numel() for p in unwrap(run.model).parameters()),
+        "world_size": run.info.world_size,
+        "device": str(run.info.device),
+        "total_steps": run.total_steps,
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        **extra,
+    }
+    (out / "run_info.json").write_text(json.dumps(info, indent=2, default=str))
+
+
+def open_logger(run: Run) -> MetricsLogger:
+    """The run's metrics logger (rank 0 of the run's group writes), continuing at ``run.step``."""
+    return MetricsLogger(
+        Path(run.cfg.output_dir),
+        run.cfg.logging,
+        total_steps=run.total_steps,
+        is_main=run.info.is_main,
+        config_dict=run.cfg.to_dict(),
+        start_step=run.step,
+    )
+
+
+def save_due(run: Run, stopping: bool) -> bool:
+    """Whether this step ends with a checkpoint: every ``checkpoint.every_steps``, the last, a stop."""
+    return stopping or run.step % run.cfg.checkpoint.every_steps == 0 or run.step == run.total_steps
+
+
+def run_result(
+    run: Run, logger: MetricsLogger, last_loss: float, saved: Path | None, export: Path | None
+) -> dict[str, Any]:
+    """What ``train()`` returns: the step reached, the last logged loss and tau, checkpoint, export."""
+    return {
+        "step": run.step,
+        "loss": last_loss,
+        "tau": logger.last.get("tau"),
+        "checkpoint": str(saved) if saved else None,
+        "export": str(export) if export else None,
+    }
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def train_state_dict(run: Run, optim_state: dict, **extra: Any) -> dict[str, Any]:
+    """Everything but the drafter weights that a resume needs (``extra``: placement-specific parts)."""
+    return {
+        "step": run.step,
+        "optimizer": optim_state,
+        "scheduler": run.scheduler.state_dict(),
+        "data": run.data.state_dict(),
+        **extra,
+        "counters": dict(run.counters),
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+    }
+
+
+def save(run: Run, **extra: Any) -> Path:
+    """Gather the full state over the group; its rank 0 writes it atomically (in the background when
+    ``checkpoint.async_write``). ``extra`` joins the train state (read on the writing rank only)."""
+    model_state = full_model_state(run.model, group=run.group)
+    optim_state = full_optimizer_state(run.model, run.optimizer, group=run.group)
+    path = ckpt.checkpoints_root(run.cfg.output_dir) / f"step-{run.step:08d}"
+    if run.info.is_main:
+        train_state = train_state_dict(run, optim_state, **extra)
+        if run.writer.pool is not None and run.info.device.type == "cpu":
+            # On CPU the gathered state aliases the live tensors; the writer thread needs a copy.
+            model_state, train_state = ckpt.snapshot(model_state), ckpt.snapshot(train_state)
+        path = run.writer.submit(
+            run.cfg.output_dir,
+            run.step,
+            drafter_state=model_state,
+            drafter_config=run.draft_config.to_serving_dict(),
+            train_state=train_state,
+            config_yaml=run.cfg.to_yaml(),
+            keep_last=run.cfg.checkpoint.keep_last,
+        )
+    barrier(run)
+    return path
+
+
+def barrier(run: Run) -> None:
+    """Wait for every rank of the run's group."""
+    if run.info.distributed:
+        dist.barrier(group=run.group)
+
+
+def maybe_resume(run: Run) -> None:
+    """``resume: auto`` continues from the newest committed checkpoint of output_dir."""
+    mode = run.cfg.checkpoint.resume
+    path = (
+        None
+        if mode == "never"
+        else (ckpt.latest_checkpoint(run.cfg.output_dir) if mode == "auto" else Path(mode))
+    )
+    if path is None:
+        return
+    loaded = ckpt.load_checkpoint(path)
+    ckpt.check_resume_compatible(
+        loaded["config"],
+        run.cfg.to_dict(),
+        run.cfg.checkpoint.allow_changed,
+        saved_drafter=loaded["drafter_config"],
+        current_drafter=run.draft_config.to_serving_dict(),
+    )
+    state = loaded["train_state"]
+    ckpt.load_model_state(run.model, loaded["drafter_state"], run.optimizer, state["optimizer"], path)
+    run.scheduler.load_state_dict(state["scheduler"])
+    run.data.load_state_dict(state["data"])
+    run.counters.update(state["counters"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    run.step = state["step"]
+    log_main(f"resumed from {path} at step {run.step}")
+
+
+def export_final(run: Run) -> Path:
+    """Write the trained drafter in the serving layout to ``output_dir/export`` (the group's rank 0)."""
+    from dflash_train.models.drafter import DFlashDrafter
+    from dflash_train.models.export import save_drafter
+
+    state = full_model_state(run.model, group=run.group)
+    out = Path(run.cfg.output_dir) / "export"
+    if run.info.is_main:
+        drafter = DFlashDrafter(run.draft_config)
+        drafter.load_state_dict(state)
+        save_drafter(
+            drafter,
+            run.draft_config,
+            out,
+            dtype=run.cfg.train.dtype,
+            target=run.cfg.target.path,
+            announce=True,
+        )
+    barrier(run)
+    return out

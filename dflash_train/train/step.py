@@ -1,0 +1,283 @@
+"""The pieces of one optimizer step, shared by colocated and split training.
+
+A step reads as named phases: ``prepare_micro_batch`` (device, anchors, labels, loss weights) ->
+``target_features`` (colocated) or received features (split) -> ``drafter_forward_backward``
+(drafter, one-pass LM-head loss, backward) -> ``optimizer_update`` (clip, the collective vote,
+step / skip / raise). ``LogWindow`` accumulates a logging interval and turns it into one metrics
+row (``log_row``), with the only reductions and host syncs of the interval.
+
+Shapes: R rows, L sequence, A anchors, n*H feature width.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash_train.config import RunConfig
+from dflash_train.models.dtypes import DTYPES
+from dflash_train.train.faults import any_rank_flags
+from dflash_train.train.flops import mfu, train_step_flops
+from dflash_train.train.logging import log_main
+from dflash_train.train.loss import (
+    LossOptions,
+    add_metrics,
+    block_targets,
+    denominator_weights,
+    dflash_loss,
+    summarize_metrics,
+    teacher_block_hidden,
+)
+from dflash_train.train.parallel import DistInfo, all_reduce_sum, uses_fsdp
+from dflash_train.train.run import NonFiniteError, Run
+from dflash_train.train.step_timer import PhaseTimer
+
+
+def prepare_micro_batch(run: Run, batch, epoch: int) -> dict[str, torch.Tensor]:
+    """Move a batch to the device, draw its anchors and build labels and loss weights."""
+    from dflash_train.data.anchors import sample_anchors
+
+    dev = run.info.device
+    input_ids = batch.input_ids.to(dev, non_blocking=True)
+    loss_mask = batch.loss_mask.to(dev, non_blocking=True)
+    attention_mask = batch.attention_mask.to(dev, non_blocking=True)
+    anchors, keep = sample_anchors(
+        loss_mask, run.cfg.train.num_anchors, run.cfg.train.seed, epoch, batch.sample_index.to(dev)
+    )
+    labels, label_valid = block_targets(input_ids, loss_mask, anchors, run.cfg.drafter.block_size)
+    # What this micro-batch adds to the step's loss denominator (decay weights, or kept blocks).
+    weights = denominator_weights(keep, label_valid, run.gamma, LossOptions.from_train_config(run.cfg.train))
+    return {
+        "input_ids": input_ids,
+        "loss_mask": loss_mask,
+        "attention_mask": attention_mask,
+        "anchors": anchors,
+        "keep": keep,
+        "labels": labels,
+        "label_valid": label_valid,
+        "weights": weights,
+    }
+
+
+def target_features(target, input_ids: torch.Tensor, **kwargs: Any):
+    """The target's features [R, L, n*H] of a micro-batch; both placements run the target this way.
+
+    No attention mask: right padding is invisible to a causal target at real tokens, and filler rows
+    have an all-false mask that could produce fully masked softmax rows.
+    """
+    return target.features(input_ids, None, **kwargs)
+
+
+def target_pass(run: Run, m: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's features of one micro-batch and, for a KL loss, the teacher's hidden state of
+    every block label (the target then runs to full depth; ``ce`` keeps the truncated pass)."""
+    if not LossOptions.from_train_config(run.cfg.train).uses_kl:
+        return target_features(run.target, m["input_ids"]), None
+    features, final_hidden = target_features(run.target, m["input_ids"], with_final_hidden=True)
+    return features, teacher_block_hidden(final_hidden, m["anchors"], run.cfg.drafter.block_size)
+
+
+def step_denominator(micro: list[dict[str, torch.Tensor]], group=None) -> torch.Tensor:
+    """Total loss weight of the optimizer step over every rank and micro-batch (stays on device)."""
+    return all_reduce_sum(torch.stack([m["weights"].sum() for m in micro]).sum(), group)
+
+
+def drafter_forward_backward(
+    run: Run,
+    timer: PhaseTimer,
+    m: dict[str, torch.Tensor],
+    features: torch.Tensor,
+    denom: torch.Tensor,
+    last: bool,
+    teacher_hidden: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Drafter forward, one-pass LM-head loss and backward for one micro-batch; (loss, stats).
+
+    ``teacher_hidden`` ([R,A,K,H], ``target_pass``) is the KL teacher when ``train.loss`` has kl."""
+    cfg = run.cfg
+    with timer.phase("drafter"), no_sync_unless_last(run.model, last), compute_precision(run):
+        hidden = run.model(
+            features,
+            m["input_ids"],
+            m["anchors"],
+            m["keep"],
+            run.target.embed_tokens,
+            backend=resolve_backend(cfg, run.info),
+            sdpa_anchor_chunk=cfg.train.sdpa_anchor_chunk,
+        )
+        loss, stats = dflash_loss(
+            hidden.to(run.target.lm_head.weight.dtype),
+            run.target.lm_head.weight,
+            m["labels"],
+            m["label_valid"],
+            m["keep"],
+            gamma=run.gamma,
+            denom=denom,
+            chunk_tokens=cfg.train.loss_chunk_tokens,
+            fused=cfg.train.compile and run.info.device.type == "cuda",
+            options=LossOptions.from_train_config(cfg.train),
+            teacher_hidden=teacher_hidden,
+        )
+        # DDP/FSDP average gradients over ranks; the loss is already a global sum, so undo the mean.
+        (loss * run.info.world_size).backward()
+    stats["real_tokens"] = m["attention_mask"].sum()
+    return loss.detach(), stats
+
+
+def optimizer_update(
+    run: Run, timer: PhaseTimer, loss_total: torch.Tensor, stop_requested: bool
+) -> dict[str, Any]:
+    """Clip, agree on every rank (non-finite? stop?), then step, skip or raise; advances ``run.step``.
+
+    The loss is reduced over the run's group (split: the drafter ranks); the vote is always over
+    every rank of the job, so target ranks stop and raise together with the drafters.
+    """
+    with timer.phase("optimizer"):
+        grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.train.clip_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor norm over the sharded gradients
+            grad_norm = grad_norm.full_tensor()
+        loss_total = all_reduce_sum(loss_total, run.group)
+        bad = ~torch.isfinite(loss_total) | ~torch.isfinite(grad_norm)
+        # The one host sync of a step: every rank must agree before the update.
+        nonfinite, stop = any_rank_flags([bad, stop_requested], run.info.device)
+        if nonfinite:
+            run.optimizer.zero_grad(set_to_none=True)
+            handle_nonfinite(run, float(loss_total), float(grad_norm))
+        else:
+            run.optimizer.step()
+            run.optimizer.zero_grad(set_to_none=True)
+            run.scheduler.step()
+    run.step += 1
+    return {"loss": loss_total, "grad_norm": grad_norm, "stop": stop, "skipped": nonfinite}
+
+
+def handle_nonfinite(run: Run, loss: float, grad_norm: float) -> None:
+    """Stop every rank before the update (default) or skip the step and count it."""
+    if run.cfg.train.nonfinite == "skip":
+        run.counters["skipped_steps"] += 1
+        log_main(
+            f"step {run.step}: non-finite loss {loss} or grad norm {grad_norm} on some rank; step skipped (train.nonfinite=skip)"
+        )
+        return
+    raise NonFiniteError(
+        f"step {run.step}: non-finite loss ({loss}) or gradient norm ({grad_norm}) on at least one rank; stopped before the optimizer step, "
+        "no checkpoint written after it. Lower train.lr, check the data, or set train.nonfinite=skip to skip such steps."
+    )
+
+
+def compute_precision(run: Run):
+    """bf16 compute over fp32 master weights: FSDP2's mixed-precision policy casts the parameters
+    itself; a single process or DDP gets autocast."""
+    dtype = DTYPES[run.cfg.train.dtype]
+    if dtype == torch.float32 or uses_fsdp(run.model):
+        return contextlib.nullcontext()
+    return torch.autocast(run.info.device.type, dtype=dtype)
+
+
+def resolve_backend(cfg: RunConfig, info: DistInfo) -> str:
+    """``train.attention_backend``, with ``auto`` = flex on CUDA, chunked SDPA elsewhere."""
+    if cfg.train.attention_backend != "auto":
+        return cfg.train.attention_backend
+    return "flex" if info.device.type == "cuda" else "sdpa"
+
+
+class no_sync_unless_last:
+    """Skip DDP's gradient all-reduce on all but the last micro-batch of a step."""
+
+    def __init__(self, model: nn.Module, last: bool):
+        self.ctx = model.no_sync() if (not last and hasattr(model, "no_sync")) else None
+
+    def __enter__(self):
+        return self.ctx.__enter__() if self.ctx else None
+
+    def __exit__(self, *exc):
+        return self.ctx.__exit__(*exc) if self.ctx else False
+
+
+def step_flops(run: Run, m: dict[str, torch.Tensor]) -> float:
+    """Model FLOPs of one micro-batch (target forward + drafter forward/backward + LM head)."""
+    rows, seq_len = m["input_ids"].shape
+    return train_step_flops(
+        run.target.config, run.draft_config, seq_len=seq_len, num_anchors=m["anchors"].shape[1], rows=rows
+    )["total"]
+
+
+# ----------------------------------------------------------------------------- logging
+
+
+class LogWindow:
+    """The steps since the last log row: summed metrics, the summed loss, and the wall clock.
+
+    The loss of a row is the mean over the window's applied steps (skipped non-finite steps are
+    left out, NaN when every step was skipped), like tau and accuracy; ``loss_last`` is the last
+    step's. Nothing leaves the device until ``row``.
+    """
+
+    def __init__(self, step: int):
+        self.reset(step)
+
+    def reset(self, step: int) -> None:
+        self.metrics: dict[str, torch.Tensor] | None = None
+        self.loss_sum: torch.Tensor | float = 0.0
+        self.loss_steps = 0
+        self.start, self.start_step = time.perf_counter(), step
+
+    def add(self, result: dict[str, Any]) -> None:
+        """Accumulate one step's ``optimizer_update`` result and its ``stats``."""
+        self.metrics = add_metrics(self.metrics, result["stats"])
+        if not result["skipped"]:
+            self.loss_sum = self.loss_sum + result["loss"].detach()
+            self.loss_steps = self.loss_steps + 1
+
+    def due(self, run: Run, stopping: bool) -> bool:
+        """Whether this step ends a logging interval."""
+        return run.step % run.cfg.logging.every_steps == 0 or run.step == run.total_steps or stopping
+
+    def seconds(self) -> float:
+        return time.perf_counter() - self.start
+
+    def row(self, run: Run, result: dict[str, Any], timer: PhaseTimer) -> dict[str, Any]:
+        """The interval's metrics row (reduced over the run's group), then a fresh window."""
+        steps = run.step - self.start_step
+        row = log_row(run, result, self, timer, self.seconds(), steps)
+        self.reset(run.step)
+        return row
+
+
+def log_row(
+    run: Run, result: dict, window: LogWindow, timer: PhaseTimer, seconds: float, steps: int
+) -> dict[str, Any]:
+    """Reduce the window's summed metrics over the run's group into one log row (log steps only)."""
+    info, metrics_sum = run.info, window.metrics
+    for value in metrics_sum.values():
+        all_reduce_sum(value, run.group)
+    phases = timer.collect()
+    summary = summarize_metrics({k: v for k, v in metrics_sum.items() if k != "real_tokens"})
+    real_tokens = float(metrics_sum["real_tokens"])
+    step_s = seconds / max(steps, 1)
+    # The loss is already the global per-step value on every rank; only its window mean is new.
+    loss_mean = float(window.loss_sum) / window.loss_steps if window.loss_steps else float("nan")
+    row = {
+        "loss": loss_mean,
+        "loss_last": float(result["loss"]),
+        "lr": run.scheduler.get_last_lr()[0],
+        "grad_norm": float(result["grad_norm"]),
+        **summary,
+        "tokens_per_s": real_tokens / max(seconds, 1e-9),
+        "tokens_per_s_per_rank": real_tokens / max(seconds, 1e-9) / info.world_size,
+        "step_s": step_s,
+        "mfu": mfu(result["flops"], step_s) if info.device.type == "cuda" else 0.0,
+        "time_target_s": phases.get("target", 0.0) / max(steps, 1),
+        "time_drafter_s": phases.get("drafter", 0.0) / max(steps, 1),
+        "time_optimizer_s": phases.get("optimizer", 0.0) / max(steps, 1),
+        "skipped_steps": run.counters["skipped_steps"],
+        "epoch": run.data.epoch,
+        **{f"data_{k}": v for k, v in run.data.log_stats().items()},
+    }
+    if info.device.type == "cuda":
+        row["peak_mem_gb"] = torch.cuda.max_memory_allocated(info.device) / 1e9
+    return row
