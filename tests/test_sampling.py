@@ -4,7 +4,14 @@ import pytest
 import torch
 
 from dflash_train.data import sampling
-from dflash_train.data.sampling import Sampling, choose_tokens, row_uniforms, sample_batch
+from dflash_train.data.sampling import (
+    Sampling,
+    choose_tokens,
+    row_streams,
+    row_uniforms,
+    sample_batch,
+    step_keys,
+)
 from dflash_train.tiny import build_tiny_target
 
 
@@ -25,10 +32,11 @@ def test_inverse_cdf_nucleus_draws():
     nucleus = choose_tokens(logits, uniforms, Sampling(temperature=1.0, top_p=0.7))  # keeps 0.5 + 0.3
     assert torch.bincount(nucleus, minlength=4).tolist() == [625, 375, 0, 0]
     assert choose_tokens(logits[:3], uniforms[:3], Sampling()).tolist() == [0, 0, 0]  # greedy
-    keys = torch.tensor([7, 7, 8])
-    u = row_uniforms(0, keys, 3)
+    keys, steps = torch.tensor([7, 7, 8]), step_keys(5, "cpu")
+    u = row_uniforms(row_streams(0, keys), steps[3])
     assert u[0] == u[1] and u[0] != u[2] and bool(((u >= 0) & (u < 1)).all())
-    assert row_uniforms(1, keys, 3)[0] != u[0] and row_uniforms(0, keys, 4)[0] != u[0]
+    assert row_uniforms(row_streams(1, keys), steps[3])[0] != u[0]
+    assert row_uniforms(row_streams(0, keys), steps[4])[0] != u[0]
 
 
 def generate(model, prompts, keys, stop_ids, **kw):

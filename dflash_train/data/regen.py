@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from itertools import islice
@@ -284,7 +285,7 @@ class TransformersEngine:
         self.opts = opts
         self.template_kwargs = template_kwargs(THINKING[opts.thinking])
         eos = resolve_eos_ids(self.tokenizer, getattr(self.model, "generation_config", None))
-        self.stop_ids = {*eos, end_of_turn_id(self.tokenizer, "assistant", self.template_kwargs)}
+        self.stop_ids = reply_stop_ids(self.tokenizer, eos, self.template_kwargs)
         self.pad_id = pad_id(self.tokenizer, eos)  # no pad token (Llama-3): EOS under the mask
         self.sampling = Sampling(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
 
@@ -312,6 +313,15 @@ class TransformersEngine:
             Reply(self.tokenizer.decode(g.token_ids, skip_special_tokens=False), g.finished)
             for g in generations
         ]
+
+
+def reply_stop_ids(tokenizer, eos: list[int], kwargs: dict) -> set[int]:
+    """EOS ids plus the template's end-of-assistant-turn token (a warning when it has none)."""
+    try:
+        return {*eos, end_of_turn_id(tokenizer, "assistant", kwargs)}
+    except ValueError as err:
+        warnings.warn(f"regen stops at the EOS ids {eos} only: {err}", stacklevel=2)
+        return set(eos)
 
 
 class VllmEngine:

@@ -53,12 +53,19 @@ class Generation:
     finished: bool
 
 
-def row_uniforms(seed: int, keys: torch.Tensor, step: int) -> torch.Tensor:
-    """Uniforms in [0, 1) per row for decoding step ``step``: [R] float32."""
-    base = splitmix64(torch.tensor([seed], dtype=torch.int64, device=keys.device))
-    row = splitmix64(base ^ keys)
-    step_key = splitmix64(torch.tensor([step], dtype=torch.int64, device=keys.device))
-    bits = shift_right_logical(splitmix64(row ^ step_key), 11)  # 53 random bits
+def row_streams(seed: int, keys: torch.Tensor) -> torch.Tensor:
+    """One int64 stream id per row from (seed, key): [R]."""
+    return splitmix64(splitmix64(torch.full_like(keys, seed)) ^ keys)
+
+
+def step_keys(num_steps: int, device) -> torch.Tensor:
+    """Hashed step numbers [num_steps], made once so that no step copies anything to the device."""
+    return splitmix64(torch.arange(num_steps, dtype=torch.int64, device=device))
+
+
+def row_uniforms(streams: torch.Tensor, step_key: torch.Tensor) -> torch.Tensor:
+    """Uniforms in [0, 1) per row for one decoding step: [R] float32."""
+    bits = shift_right_logical(splitmix64(streams ^ step_key), 11)  # 53 random bits
     return (bits.to(torch.float64) * 2.0**-53).to(torch.float32)
 
 
@@ -108,7 +115,8 @@ def sample_batch(
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_id, device)
     positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
-    row_keys = torch.as_tensor(list(keys), dtype=torch.int64, device=device)
+    streams = row_streams(sampling.seed, torch.as_tensor(list(keys), dtype=torch.int64, device=device))
+    hashed_steps = step_keys(max_new_tokens, device)
     stops = torch.as_tensor(sorted(stop_ids), dtype=torch.long, device=device)
     rows = torch.arange(len(prompts), device=device)  # original row of each batch slot
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
@@ -116,9 +124,7 @@ def sample_batch(
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (rows, tokens, done before)
     for step in range(max_new_tokens):
-        tokens = choose_tokens(
-            out.logits[:, -1].float(), row_uniforms(sampling.seed, row_keys, step), sampling
-        )
+        tokens = choose_tokens(out.logits[:, -1].float(), row_uniforms(streams, hashed_steps[step]), sampling)
         steps.append((rows, tokens, done))
         done = done | torch.isin(tokens, stops)
         if step == max_new_tokens - 1:
@@ -130,8 +136,8 @@ def sample_batch(
             if num_running <= len(done) // 2 and len(done) >= MIN_ROWS_TO_COMPACT:
                 keep = (~done).nonzero().squeeze(-1)
                 if compact_cache(cache, keep):
-                    rows, row_keys, mask, last_pos, done, tokens = (
-                        t[keep] for t in (rows, row_keys, mask, last_pos, done, tokens)
+                    rows, streams, mask, last_pos, done, tokens = (
+                        t[keep] for t in (rows, streams, mask, last_pos, done, tokens)
                     )
         tokens = torch.where(done, torch.full_like(tokens, pad_id), tokens)  # finished rows idle on pad
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
