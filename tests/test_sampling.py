@@ -44,8 +44,9 @@ def generate(model, prompts, keys, stop_ids, **kw):
     return [(g.token_ids, g.finished) for g in sample_batch(model, prompts, keys, **(opts | kw))]
 
 
-def test_a_row_samples_the_same_alone_or_left_padded_in_a_batch():
-    model = build_tiny_target("qwen3", vocab_size=64, seed=1)
+@pytest.mark.parametrize("kind", ["qwen3", "hybrid"])
+def test_a_row_samples_the_same_alone_or_left_padded_in_a_batch(kind):
+    model = build_tiny_target(kind, vocab_size=64, seed=1)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15]]
     batched = generate(model, prompts, [10, 11, 12], {63})
     alone = [generate(model, [p], [k], {63})[0] for p, k in zip(prompts, [10, 11, 12])]
@@ -54,8 +55,9 @@ def test_a_row_samples_the_same_alone_or_left_padded_in_a_batch():
     assert other_key != alone[0]
 
 
-def test_finished_rows_leave_the_batch_without_changing_the_others(monkeypatch):
-    model = build_tiny_target("qwen3", vocab_size=64, seed=2)
+@pytest.mark.parametrize("kind", ["qwen3", "hybrid"])
+def test_finished_rows_leave_the_batch_without_changing_the_others(monkeypatch, kind):
+    model = build_tiny_target(kind, vocab_size=64, seed=2)
     prompts = [[1 + i, 2 + i, 3 + i] for i in range(8)]
     greedy = Sampling()
     first = [
