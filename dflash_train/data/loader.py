@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash_train.config import DataConfig
+from dflash_train.config import DataConfig, RunConfig
 from dflash_train.data.batching import Batch, assemble_batch, bucket_of, padding_waste, rows_per_batch
 from dflash_train.data.cache import TokenizedData, load_or_build
 from dflash_train.data.skips import SkipCounts
@@ -223,6 +223,16 @@ def pad_token_id(tokenizer) -> int:
         if candidate is not None:
             return int(candidate)
     return 0
+
+
+def check_data_and_tokenizer(cfg: RunConfig, tokenizer) -> None:
+    """Training (and ``data-stats``) need chat data and the target's tokenizer (for its chat template)."""
+    if not cfg.data.paths:
+        raise ValueError("data.paths is empty: pass your chat data, e.g. data.paths=[regenerated.jsonl]")
+    if tokenizer is None:
+        raise ValueError(
+            f"target {cfg.target.path} has no tokenizer; training needs one to apply the chat template."
+        )
 
 
 def build_train_data(

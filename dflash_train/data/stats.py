@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from dflash_train.config import RunConfig, load_config
-from dflash_train.data.loader import build_train_data
+from dflash_train.data.loader import build_train_data, check_data_and_tokenizer
 
 
 def load_target_tokenizer(cfg: RunConfig):
@@ -20,7 +20,6 @@ def load_target_tokenizer(cfg: RunConfig):
     same error as ``train``'s. Only the tokenizer is loaded, never the model.
     """
     from dflash_train.models.target_loading import check_local_path, load_tokenizer, resolve_target_path
-    from dflash_train.train.builders import check_data_and_tokenizer
 
     tokenizer = None
     if not cfg.target.path.startswith("preset:"):

@@ -17,13 +17,12 @@ import contextlib
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from dflash_train.config import TargetConfig
 from dflash_train.models import presets
 from dflash_train.models.drafter_config import DFlashDraftConfig
 from dflash_train.models.dtypes import resolve_dtype
@@ -40,6 +39,9 @@ from dflash_train.models.target_loading import (
     meta_text_model,
     preset_config,
 )
+
+if TYPE_CHECKING:  # annotations only: config.py validates against models/, not the reverse
+    from dflash_train.config import TargetConfig
 
 __all__ = [
     "FrozenTarget",

@@ -124,17 +124,9 @@ def build_scheduler(optimizer, cfg: RunConfig, total: int):
 
 def check_data_inputs(cfg: RunConfig, target) -> None:
     """Training needs chat data and the target's tokenizer (for its chat template)."""
+    from dflash_train.data.loader import check_data_and_tokenizer
+
     check_data_and_tokenizer(cfg, target.tokenizer)
-
-
-def check_data_and_tokenizer(cfg: RunConfig, tokenizer) -> None:
-    """``check_data_inputs`` given the tokenizer alone (``data-stats`` loads no model)."""
-    if not cfg.data.paths:
-        raise ValueError("data.paths is empty: pass your chat data, e.g. data.paths=[regenerated.jsonl]")
-    if tokenizer is None:
-        raise ValueError(
-            f"target {cfg.target.path} has no tokenizer; training needs one to apply the chat template."
-        )
 
 
 def build_data(cfg: RunConfig, target, info: DistInfo):
