@@ -5,7 +5,7 @@ import pytest
 
 from dflash_train.cli import build_parser
 
-SUBCOMMANDS = ["train", "demo", "eval", "bench", "regen", "export", "data-stats"]
+SUBCOMMANDS = ["train", "demo", "eval", "bench", "regen", "synth", "export", "data-stats"]
 
 
 def test_top_level_help_lists_every_subcommand():
@@ -21,3 +21,30 @@ def test_every_subcommand_has_help(name):
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args([name, "--help"])
     assert exc.value.code == 0
+
+
+def test_an_import_error_is_shown_as_the_bug_it_is(monkeypatch):
+    """A missing dflash_train module propagates with its traceback (no "not available yet")."""
+    from dflash_train import cli
+
+    def broken(args):
+        raise ModuleNotFoundError("No module named 'dflash_train.gone'", name="dflash_train.gone")
+
+    monkeypatch.setattr(cli, "cmd_export", broken)
+    with pytest.raises(ModuleNotFoundError, match="dflash_train.gone"):
+        cli.main(["export", "ckpt", "out"])
+
+
+def test_bench_options_come_from_the_parser_with_the_same_defaults():
+    from dflash_train.bench.train_step import BenchOptions
+    from dflash_train.cli import options_from_args
+
+    args = build_parser().parse_args(["bench"])
+    assert options_from_args(BenchOptions, args) == BenchOptions()
+    args = build_parser().parse_args(["bench", "--seq-len", "64", "--no-compile", "--loss", "kl"])
+    assert options_from_args(BenchOptions, args) == BenchOptions(seq_len=64, compile=False, loss="kl")
+    del args.loss
+    with pytest.raises(TypeError, match="without a command-line argument: \\['loss'\\]"):
+        options_from_args(BenchOptions, args)
+    with pytest.raises(ValueError, match="--preset 'huge'"):
+        BenchOptions(preset="huge")

@@ -57,7 +57,7 @@ class EndpointEngine:
     name = "endpoint"
 
     def __init__(self, opts: RegenOptions, backoff_s: float = 1.0):
-        from dflash_train.models.target import load_tokenizer
+        from dflash_train.models.target_loading import load_tokenizer
 
         self.opts, self.url, self.backoff_s = opts, base_url(opts.endpoint), backoff_s
         self.headers = {"Content-Type": "application/json"}

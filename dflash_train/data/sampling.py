@@ -190,7 +190,7 @@ def load_generator(path: str, device: str):
     The project's target loader refuses a checkpoint with missing weights (which transformers would
     silently random-initialise) and loads multimodal Qwen3.5/3.6 checkpoints as text models.
     """
-    from dflash_train.models.target import load_causal_lm
+    from dflash_train.models.target_loading import load_causal_lm
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model, tokenizer = load_causal_lm(path, dtype=dtype, device=device)
