@@ -89,6 +89,8 @@ def run_regen(opts: RegenOptions) -> dict[str, Any]:
     """Regenerate ``opts.data`` into ``opts.output``; see the ``regen`` CLI options."""
     import time
 
+    from tqdm import tqdm
+
     output = Path(opts.output)
     done = read_done_keys(output)
     skips = SkipCounts(max_bad_rows=opts.max_bad_rows)
@@ -108,8 +110,14 @@ def run_regen(opts: RegenOptions) -> dict[str, Any]:
     t0 = time.perf_counter()
     with open(output, "a", encoding="utf-8") as out, open(failed_path, "w", encoding="utf-8") as failed:
         chunk = max(opts.batch_size, 8 * opts.concurrency) if opts.endpoint else opts.batch_size
+        bar = tqdm(total=len(todo), unit="row", desc="regen", disable=None)  # rows/s on a terminal
         for batch in chunked(todo, chunk):
             write_results(engine.regenerate(batch), opts, engine.name, out, failed, counts)
+            bar.update(len(batch))
+            bar.set_postfix(
+                failed=counts["rows_failed"], hit_limit=counts["rows_hit_max_new_tokens"], refresh=False
+            )
+        bar.close()
     elapsed = time.perf_counter() - t0
     if counts["rows_failed"]:
         print(f"regen: {counts['rows_failed']} rows failed, see {failed_path}", file=sys.stderr)
