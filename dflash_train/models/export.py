@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.drafter_config import DFlashDraftConfig
+from dflash_train.models.dtypes import DTYPES
 from dflash_train.models.serving import SERVING_NOTES_NAME, write_serving_notes
 
 CONFIG_NAME = "config.json"
@@ -32,8 +33,6 @@ WEIGHTS_NAME = "model.safetensors"
 CHECKPOINT_CONFIG_NAME = "drafter_config.json"
 CHECKPOINT_WEIGHTS_NAME = "drafter.safetensors"
 COMMIT_MARKER = "COMMITTED"
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def _torch_dtype(name: str) -> torch.dtype:

@@ -10,9 +10,8 @@ import torch
 from torch import nn
 
 from dflash_train.config import RunConfig
+from dflash_train.models.dtypes import DTYPES
 from dflash_train.train.parallel import DistInfo, wrap_drafter
-
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def seed_everything(seed: int) -> None:
