@@ -42,6 +42,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--regen-batch-size", type=int, default=512)
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--max-part-mib", type=float, default=15.0, help="largest gzip file brought back")
+    p.add_argument(
+        "--step-rows", type=int, default=4096, help="rows per resumed call (budget checks between)"
+    )
+    p.add_argument("--budget-s", type=float, default=480.0, help="start no call that would end after this")
     return p.parse_args()
 
 
@@ -66,6 +70,29 @@ def gzip_parts(source: Path, out_dir: Path, max_mib: float) -> list[str]:
     return names
 
 
+def in_steps(run_once, total: int, step: int, budget_end: float, done_key: str) -> dict:
+    """Call ``run_once(limit)`` for limit = step, 2*step, ... up to ``total`` while the time budget
+    allows another call as long as the last one (each call resumes the previous; equal results)."""
+    calls, limit = [], 0
+    while True:
+        limit = min(total, max(limit, calls[-1][done_key] if calls else 0) + step)
+        start = time.perf_counter()
+        calls.append(run_once(limit))
+        last_s = time.perf_counter() - start
+        print(json.dumps(calls[-1]), flush=True)
+        if limit >= total or calls[-1].get("complete") is False or time.perf_counter() + last_s > budget_end:
+            break
+    merged = dict(calls[-1])
+    new_key = "rows_new" if "rows_new" in merged else "rows_done"
+    for key in (new_key, "rows_hit_max_new_tokens"):  # per-call counts; the rest is cumulative
+        if key in merged:
+            merged[key] = sum(c[key] for c in calls)
+    merged["elapsed_s"] = round(sum(c["elapsed_s"] for c in calls), 2)
+    merged["rows_per_s"] = round(merged[new_key] / merged["elapsed_s"], 2) if merged["elapsed_s"] else 0.0
+    merged["calls"] = len(calls)
+    return merged
+
+
 def main() -> int:
     args = parse_args()
     import torch
@@ -76,33 +103,43 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     prompts, regen = work / "prompts.jsonl", work / "regen.jsonl"
     t0, stages = time.perf_counter(), args.stages.split(",")
+    budget_end = t0 + args.budget_s
     synth = regenerated = None
     if "synth" in stages:
-        synth = run_synth(
-            SynthOptions(
+
+        def synth_once(limit: int) -> dict:
+            opts = SynthOptions(
                 target=args.target,
                 output=str(prompts),
-                num_rows=args.num_rows,
+                num_rows=limit,
                 temperature=args.temperature,
                 top_p=args.top_p,
                 max_prompt_tokens=args.max_prompt_tokens,
                 seed=args.seed,
                 batch_size=args.synth_batch_size,
             )
-        )
+            return run_synth(opts)
+
+        synth = in_steps(synth_once, args.num_rows, args.step_rows, budget_end, "rows")
         print("synth:", json.dumps(synth), flush=True)
-    if "regen" in stages:
-        regenerated = run_regen(
-            RegenOptions(
+    if "regen" in stages and prompts.is_file():
+        available = sum(1 for _ in open(prompts, "rb"))
+        total = min(args.regen_rows or available, available)
+
+        def regen_once(limit: int) -> dict:
+            opts = RegenOptions(
                 target=args.target,
                 data=[str(prompts)],
                 output=str(regen),
                 max_new_tokens=args.max_new_tokens,
                 batch_size=args.regen_batch_size,
-                max_rows=args.regen_rows,
+                max_rows=limit,
                 engine="transformers",
             )
-        )
+            result = run_regen(opts)
+            return result | {"rows": result["rows_done"] + result["rows_skipped"]}
+
+        regenerated = in_steps(regen_once, total, args.step_rows, budget_end, "rows")
         print("regen:", json.dumps(regenerated), flush=True)
         failed = Path(regenerated["failed_output"])
         if failed.is_file() and failed.stat().st_size:
