@@ -3,8 +3,10 @@
     python3 scripts/gpu_synth_regen.py --target /path/to/smollm2 --out-dir "$OUT" \
         --num-rows 20000 --synth-batch-size 512 --regen-rows 12000 --regen-batch-size 512 --max-new-tokens 512
 
+Each stage runs as resumed calls of --step-rows rows; no call starts that would end after --budget-s
+(so one device command of at most 10 minutes always writes its outputs; run it again to continue).
 Working files (plain JSONL, resumable: rerunning with the same --work-dir continues both stages) go
-to --work-dir; --out-dir receives ``prompts.jsonl.gz`` / ``regen.jsonl.gz`` (split into
+to --work-dir (git-ignored ``runs/``, kept on a warm device machine between commands); --out-dir receives ``prompts.jsonl.gz`` / ``regen.jsonl.gz`` (split into
 ``.partNN.jsonl.gz`` files when one would pass --max-part-mib), ``regen.failed.jsonl`` when rows
 failed, and ``summary.json`` with both stages' results (rows/s, filter counts, elapsed seconds).
 Needs torch and transformers only (no ``datasets``, no network).
