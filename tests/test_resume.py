@@ -80,9 +80,9 @@ def test_sigterm_resume_runs_each_step_once_with_the_uninterrupted_losses(task, 
 
 def test_sigkill_of_a_real_train_process_restarts_bit_for_bit(task, tmp_path, uninterrupted):
     out = tmp_path / "run"
-    proc = subprocess.Popen(
-        cli_train_command(task, out), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
+    # A save every 2 steps: the first one leaves 10 steps in which the kill lands.
+    command = cli_train_command(task, out, "checkpoint.every_steps=2")
+    proc = subprocess.Popen(command, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
     while ckpt.latest_checkpoint(out) is None and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -92,7 +92,7 @@ def test_sigkill_of_a_real_train_process_restarts_bit_for_bit(task, tmp_path, un
     saved = int(ckpt.latest_checkpoint(out).name.removeprefix("step-"))
     assert saved < 12, "the run finished before the kill; nothing was resumed"
     logged_before = len(metric_rows(out))
-    restart = subprocess.run(cli_train_command(task, out), env=ENV, capture_output=True, text=True)
+    restart = subprocess.run(command, env=ENV, capture_output=True, text=True)
     assert restart.returncode == 0, restart.stderr[-2000:]
     resumed = metric_rows(out)[logged_before:]
     assert [r["step"] for r in resumed] == list(range(saved + 1, 13))
