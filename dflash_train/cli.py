@@ -7,6 +7,7 @@ Each subcommand's work lives in its own module and is imported only when that su
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable
@@ -21,6 +22,18 @@ def emit_result(result: dict[str, Any], as_json: bool) -> None:
         width = max((len(k) for k in result), default=0)
         for key, value in result.items():
             print(f"{key:<{width}}  {value}")
+
+
+def options_from_args(options_class: type, args: argparse.Namespace) -> Any:
+    """An options dataclass from the parsed arguments of the same names (``--seq-len`` -> seq_len).
+
+    Every field must have an argument: a field the parser lacks is a bug, not a silent default.
+    """
+    names = [f.name for f in dataclasses.fields(options_class)]
+    missing = [name for name in names if not hasattr(args, name)]
+    if missing:
+        raise TypeError(f"{options_class.__name__} fields without a command-line argument: {missing}")
+    return options_class(**{name: getattr(args, name) for name in names})
 
 
 def cmd_train(args: argparse.Namespace) -> dict[str, Any]:
@@ -65,9 +78,9 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from dflash_train.bench.train_step import run_bench
+    from dflash_train.bench.train_step import BenchOptions, run_bench
 
-    return run_bench(args)
+    return run_bench(options_from_args(BenchOptions, args))
 
 
 def cmd_regen(args: argparse.Namespace) -> dict[str, Any]:

@@ -15,6 +15,7 @@ Usage: python scripts/gpu_ablation.py [--only step,loss,...] [--seq-len 4096] [-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -43,8 +44,10 @@ def cuda_ms(fn, iters: int = 10, warmup: int = 3) -> float:
     return statistics.median(time_calls_ms(fn, iters, warmup=warmup, device="cuda"))
 
 
-def bench_args(seq_len: int, anchors: int, rows: int = 1) -> argparse.Namespace:
-    return argparse.Namespace(
+def bench_args(seq_len: int, anchors: int, rows: int = 1):
+    from dflash_train.bench.train_step import BenchOptions
+
+    return BenchOptions(
         preset="qwen3.6-27b",
         seq_len=seq_len,
         num_anchors=anchors,
@@ -184,8 +187,7 @@ def section_shapes(args) -> None:
         if time.perf_counter() > deadline:
             record("shapes", name, skipped="time budget")
             continue
-        shape_args = bench_args(seq_len, anchors)
-        shape_args.activation_checkpointing = checkpointing
+        shape_args = dataclasses.replace(bench_args(seq_len, anchors), activation_checkpointing=checkpointing)
         cfg, _, _ = bench_config(shape_args)
         run = None
         try:

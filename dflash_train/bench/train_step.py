@@ -9,7 +9,6 @@ the step-time split, MFU against the measured 798 TFLOP/s bf16 peak of an H200, 
 
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,43 @@ BENCH_SHAPES = {
     "qwen3-8b": ("qwen3-8b", "qwen3-8b", 4096, 512, 16),
     "tiny": ("tiny-hybrid", "tiny", 256, 32, 8),
 }
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchOptions:
+    """What ``dflash-train bench`` measures; the defaults are the CLI's."""
+
+    # Shape preset: qwen3.6-27b, qwen3-8b or tiny (BENCH_SHAPES).
+    preset: str = "tiny"
+    # Tokens per row and anchors per row; 0 = the preset's (4096 and 512; tiny: 256 and 32).
+    seq_len: int = 0
+    num_anchors: int = 0
+    rows: int = 1
+    # Timed steps, after untimed warm-up steps.
+    steps: int = 5
+    warmup: int = 2
+    attention_backend: str = "auto"
+    # Compile the drafter layers, flex attention and loss kernel (None: on, off for tiny), and the
+    # target's MLPs, norms and attention blocks (None: as ``compile``).
+    compile: bool | None = None
+    target_compile: bool | None = None
+    # After timing, profile one step and write its kernel table to this path ("" = no profile).
+    profile: str = ""
+    activation_checkpointing: bool = False
+    loss_chunk_tokens: int = 2048
+    # train.loss: kl and ce+kl run the whole target and a teacher LM head per chunk.
+    loss: str = "ce"
+    # Time the drafter step alone on fixed features.
+    drafter_only: bool = False
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.preset not in BENCH_SHAPES:
+            raise ValueError(f"--preset {self.preset!r}: use one of {list(BENCH_SHAPES)}")
+        if self.attention_backend not in ("auto", "flex", "sdpa"):
+            raise ValueError(f"--attention-backend {self.attention_backend!r}: use auto, flex or sdpa")
+        if min(self.rows, self.steps) < 1 or min(self.warmup, self.seq_len, self.num_anchors) < 0:
+            raise ValueError("--rows and --steps must be >= 1; --warmup, --seq-len, --num-anchors >= 0")
 
 
 @dataclass
@@ -70,7 +106,7 @@ class SyntheticData:
         return {}
 
 
-def bench_config(args: argparse.Namespace):
+def bench_config(args: BenchOptions):
     """A RunConfig for the preset shape; only target, drafter and train sections matter here."""
     target_preset, drafter_preset, seq_len, anchors, block_size = BENCH_SHAPES[args.preset]
     seq_len = args.seq_len or seq_len
@@ -89,7 +125,7 @@ def bench_config(args: argparse.Namespace):
         f"train.attention_backend={args.attention_backend}",
         f"train.activation_checkpointing={str(args.activation_checkpointing).lower()}",
         f"train.loss_chunk_tokens={args.loss_chunk_tokens}",
-        f"train.loss={getattr(args, 'loss', 'ce')}",
+        f"train.loss={args.loss}",
         f"train.compile={str(compile_drafter).lower()}",
         f"data.seq_buckets=[{seq_len}]",
         f"data.token_budget={seq_len * args.rows}",
@@ -103,10 +139,8 @@ def bench_config(args: argparse.Namespace):
     return load_config("tiny-cpu", overrides), seq_len, anchors
 
 
-def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+def run_bench(args: BenchOptions) -> dict[str, Any]:
     """Build the bench run, time ``args.steps`` full train steps after ``args.warmup`` warm-up steps."""
-    if args.preset not in BENCH_SHAPES:
-        raise ValueError(f"--preset {args.preset!r}: use one of {list(BENCH_SHAPES)}")
     cfg, seq_len, anchors = bench_config(args)
     use_expandable_segments()  # the allocator configuration training uses
     run = build_bench_run(cfg, args.rows, seq_len, pick_device(args.device), drafter_only=args.drafter_only)
