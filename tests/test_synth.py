@@ -167,3 +167,31 @@ def test_synth_cli_json(chatty_dir, tmp_path, capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["rows"] == 3 and set(result["filtered"]) >= {"near_duplicate", "exact_duplicate"}
     assert os.path.exists(str(out) + ".state.json")
+
+
+@pytest.mark.parametrize(
+    "thinking, reply_prompt_end", [("off", "<think>\n\n</think>\n\n"), ("on", "<think>\n")]
+)
+def test_thinking_switch_reaches_the_template(tmp_path, monkeypatch, thinking, reply_prompt_end):
+    """Qwen3.5-style template: the reply prompt between turns follows --thinking."""
+    from dflash_train.data import synth as synth_module
+    from dflash_train.data.sampling import Generation
+
+    target = save_family_target(tmp_path / "qwen35", "qwen35")
+    synthesizer = synth_module.Synthesizer(options(target, tmp_path / "o.jsonl", turns=2, thinking=thinking))
+    tok = synthesizer.tokenizer
+    seen = []
+
+    def fake_sample_batch(model, prompts, keys, **kwargs):
+        seen.append(tok.decode(prompts[0]))
+        return [
+            Generation(tok("a question about rain", add_special_tokens=False)["input_ids"], True)
+            for _ in prompts
+        ]
+
+    monkeypatch.setattr(synth_module, "sample_batch", fake_sample_batch)
+    ((_, messages, problem),) = synthesizer.draw([0])
+    assert problem is None and [m["role"] for m in messages] == ["user", "assistant", "user"]
+    assert seen[0] == "<|im_start|>user\n"
+    assert seen[1].endswith("<|im_start|>assistant\n" + reply_prompt_end)  # the reply prompt
+    assert seen[2].endswith("<|im_end|>\n<|im_start|>user\n")  # the second user turn's prefix
