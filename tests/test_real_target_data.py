@@ -7,7 +7,6 @@ import json
 import os
 
 import pytest
-import torch
 
 REAL = os.environ.get("DFLASH_REAL_TARGET", "")
 pytestmark = [
@@ -26,6 +25,7 @@ def test_real_target_special_tokens():
     eos = resolve_eos_ids(tok, GenerationConfig.from_pretrained(REAL))
     mask = choose_mask_token(tok, len(tok), {i: "eos" for i in eos})
     assert mask not in eos and mask != tok.pad_token_id and mask != tok.bos_token_id
+    assert (mask, tok.convert_ids_to_tokens(mask)) == (16, "<empty_output>")  # as recipes/smollm2-135m.yaml
     prefix = magpie_prefix(tok, [], {})
     assert prefix.endswith("<|im_start|>user\n")
     assert tok.convert_ids_to_tokens(end_of_turn_id(tok, "user")) == "<|im_end|>"

@@ -15,7 +15,7 @@ from tests.chat_families import family_tokenizer, save_family_target
 
 @pytest.mark.parametrize(
     "family, expected",
-    [("smollm2", "<repo_name>"), ("llama3", "<|reserved_special_token_0|>"), ("qwen35", "<|vision_pad|>")],
+    [("smollm2", "<empty_output>"), ("llama3", "<|reserved_special_token_0|>"), ("qwen35", "<|vision_pad|>")],
 )
 def test_mask_token_choice_per_family(family, expected):
     tok = family_tokenizer(family)
@@ -63,12 +63,12 @@ def test_training_chooses_logs_and_exports_the_mask_token(tmp_path, capsys):
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     target = build_target(cfg, info)
     draft_config, _ = build_drafter(cfg, target, info)
-    assert draft_config.mask_token_id == 3  # <repo_name>: unused, not pad/eos/bos/unk, not in the template
-    assert "chose 3 '<repo_name>'" in capsys.readouterr().out
+    assert draft_config.mask_token_id == 5  # <empty_output>: unused, not pad/eos/bos/unk, not in the template
+    assert "chose 5 '<empty_output>'" in capsys.readouterr().out
     from dflash_train.models.drafter import DFlashDrafter
     from dflash_train.models.export import save_drafter
 
     export = tmp_path / "export"
     save_drafter(DFlashDrafter(draft_config), draft_config, export)
-    assert json.loads((export / "config.json").read_text())["dflash_config"]["mask_token_id"] == 3
+    assert json.loads((export / "config.json").read_text())["dflash_config"]["mask_token_id"] == 5
     assert os.path.exists(export / "model.safetensors")

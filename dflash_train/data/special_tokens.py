@@ -8,10 +8,11 @@
 - End of turn: the first token the chat template writes after a message's content
   (``<|im_end|>``, ``<|eot_id|>``); generation of a user or assistant turn stops there.
 - Mask token: DFlash needs a real embedding row that never occurs in data. Chosen
-  deterministically (tiers, lowest id first inside a tier): the tokenizer's own mask token; a
-  special token named reserved/unused/mask; an embedding row past the tokenizer's last token (the
-  published Qwen3 drafters use 151669 that way); any other special token. Pad, eos, bos, unk and
-  every token the chat template emits are refused.
+  deterministically, the first safe id of: the tokenizer's own mask token; special tokens named
+  reserved/unused/mask, lowest id first (Llama-3's ``<|reserved_special_token_0|>``); the first
+  embedding row past the tokenizer's last token (the published Qwen3 drafters use 151669 that
+  way); any other special token, highest id first (vocabularies append their rarely used extras
+  last). Pad, eos, bos, unk and every token the chat template emits are refused.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ def choose_mask_token(tokenizer, num_embeddings: int, extra_refused: dict[int, s
         [mask] if mask is not None else [],
         sorted(i for i, text in special.items() if RESERVED_NAME.search(text)),
         [len(tokenizer)] if len(tokenizer) < num_embeddings else [],
-        sorted(special),
+        sorted(special, reverse=True),  # the last-added extras (SmolLM2: 16 <empty_output>)
     ]
     for tier in tiers:
         safe = [i for i in tier if i not in refused and 0 <= i < num_embeddings]
