@@ -195,3 +195,22 @@ def test_thinking_switch_reaches_the_template(tmp_path, monkeypatch, thinking, r
     assert seen[0] == "<|im_start|>user\n"
     assert seen[1].endswith("<|im_start|>assistant\n" + reply_prompt_end)  # the reply prompt
     assert seen[2].endswith("<|im_end|>\n<|im_start|>user\n")  # the second user turn's prefix
+
+
+def test_gpu_script_splits_gzip_files_under_the_limit(tmp_path):
+    import gzip
+    import importlib.util
+    import random
+
+    spec = importlib.util.spec_from_file_location("gpu_synth_regen", "scripts/gpu_synth_regen.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    rng = random.Random(0)
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(json.dumps({"x": rng.randbytes(300).hex()}) + "\n" for _ in range(400)))
+    out = tmp_path / "out"
+    out.mkdir()
+    names = script.gzip_parts(source, out, max_mib=0.05)
+    assert len(names) > 1 and all((out / n).stat().st_size < 0.05 * 2**20 for n in names)
+    assert b"".join(gzip.decompress((out / n).read_bytes()) for n in names) == source.read_bytes()
+    assert script.gzip_parts(source, out, max_mib=15) == ["rows.jsonl.gz"]
