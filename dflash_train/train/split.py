@@ -118,6 +118,11 @@ def train_split(cfg: RunConfig, hooks: TrainHooks | None = None) -> dict[str, An
         set_main_rank(previous)
 
 
+def stop_vote(stop: GracefulStop, hooks: SplitHooks, rank: int, step: int) -> bool:
+    """This rank's "stop" vote for ``step``: a SIGTERM received, or the test hook asking for one."""
+    return stop.requested or bool(hooks.request_stop and hooks.request_stop(rank, step))
+
+
 # ----------------------------------------------------------------------------- target ranks
 
 
@@ -133,7 +138,7 @@ def run_target_rank(
             watchdog.beat(step)
             producer.run_ahead_of(step)
             t0 = time.perf_counter()
-            vote = stop.requested or bool(hooks.request_stop and hooks.request_stop(layout.rank, step))
+            vote = stop_vote(stop, hooks, layout.rank, step)
             nonfinite, stopping = any_rank_flags([False, vote], info.device)  # the step's collective decision
             producer.control_s += time.perf_counter() - t0
             if nonfinite and cfg.train.nonfinite == "stop":
@@ -265,9 +270,7 @@ def run_drafter_rank(
             while run.step < run.total_steps:
                 watchdog.beat(run.step)
                 t0, wait0 = time.perf_counter(), ctx.receiver.wait_s
-                vote = stop.requested or bool(
-                    hooks.request_stop and hooks.request_stop(layout.rank, run.step)
-                )
+                vote = stop_vote(stop, hooks, layout.rank, run.step)
                 result = drafter_step(run, ctx, timer, hooks, stop_requested=vote)
                 busy_s += time.perf_counter() - t0 - (ctx.receiver.wait_s - wait0)
                 window.add(result)
