@@ -214,3 +214,25 @@ def test_gpu_script_splits_gzip_files_under_the_limit(tmp_path):
     assert len(names) > 1 and all((out / n).stat().st_size < 0.05 * 2**20 for n in names)
     assert b"".join(gzip.decompress((out / n).read_bytes()) for n in names) == source.read_bytes()
     assert script.gzip_parts(source, out, max_mib=15) == ["rows.jsonl.gz"]
+
+
+def test_near_duplicate_index_stays_small_and_finds_near_copies():
+    """Prompts sharing common openings must not pile into one bucket (quadratic at 20K rows)."""
+    import random
+
+    rng = random.Random(0)
+    words = [
+        "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 9)))
+        for _ in range(3000)
+    ]
+    starts = ["How do I", "Can you explain", "What is the best way to", "Write a Python function that"]
+    prompts = [
+        f"{rng.choice(starts)} {' '.join(rng.choices(words, k=rng.randint(12, 30)))}" for _ in range(2000)
+    ]
+    f = PromptFilter([], min_chars=5, near_dup_threshold=0.8)
+    for p in prompts:
+        assert f.duplicate_problem(p) is None
+        f.remember(p)
+    assert max(len(rows) for rows in f.index.values()) < 100  # of 2000 kept prompts
+    caught = sum(f.duplicate_problem(p + " ok") == "near_duplicate" for p in prompts[:300])
+    assert caught >= 290
