@@ -190,6 +190,7 @@ def output_row(
         "target": opts.target,
         "engine": engine,
         "temperature": opts.temperature,
+        "top_p": opts.top_p,
         "thinking": opts.thinking,
         "finished": finished,  # False where the reply hit --max-new-tokens
     }
