@@ -71,6 +71,7 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
         max_bad_rows=args.max_bad_rows,
         output_dir=args.output_dir,
         progress=not args.no_progress,
+        allow_slow_kernels=args.allow_slow_kernels,
         device=args.device,
         seed=args.seed,
     )
@@ -180,6 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-bad-rows", type=int, default=0, help="skip up to N bad prompt rows")
     p.add_argument("--output-dir", default="", help="write eval.json and acceptance.png here")
     p.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    p.add_argument(
+        "--allow-slow-kernels",
+        action="store_true",
+        help="run a GPU GatedDeltaNet target on the PyTorch fallback kernels instead of refusing",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
 
@@ -257,8 +263,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=64, help="rows per generation batch (256-512 on a GPU)")
     p.add_argument("--device", default="auto")
     p.add_argument("--min-prompt-chars", type=int, default=10)
-    p.add_argument("--near-dup-threshold", type=float, default=0.8, help="character 5-gram Jaccard similarity")
-    p.add_argument("--max-samples", type=int, default=0, help="give up after this many samples (0 = 20 per row)")
+    p.add_argument(
+        "--near-dup-threshold", type=float, default=0.8, help="character 5-gram Jaccard similarity"
+    )
+    p.add_argument(
+        "--max-samples", type=int, default=0, help="give up after this many samples (0 = 20 per row)"
+    )
 
     p = add(
         "export",

@@ -31,6 +31,7 @@ from dflash_train.eval.exact import exact_generations
 from dflash_train.eval.generate import greedy_continuations, pad_token_for
 from dflash_train.eval.runner import default_eos_ids
 from dflash_train.eval.summary import summarize_rounds
+from dflash_train.models.target import bind_fla_causal_conv, bound_kernels
 
 TOPICS = [
     "Write a Python function that merges two sorted lists.",
@@ -157,6 +158,8 @@ def main() -> None:
     args = parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     model, tokenizer, prompts = build_target(args, device, dtype)
+    if device.type == "cuda":  # the fla conv, as training binds it; reported below either way
+        bind_fla_causal_conv(model, device)
     drafter = build_drafter(args, model, tokenizer, device, dtype)
     eos = set() if args.ignore_eos or tokenizer is None else default_eos_ids(model, tokenizer)
     pad = pad_token_for(tokenizer, eos)
@@ -175,6 +178,7 @@ def main() -> None:
         new_tokens_per_s=result["tokens"] / result["timings"]["total"],
         peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
         random_drafter=not args.drafter,
+        kernels=bound_kernels(model),
     )
     for phase, seconds in result["timings"].items():
         print(f"{phase:<11} {seconds:8.2f} s")

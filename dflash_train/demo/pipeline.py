@@ -9,8 +9,9 @@ Six stages, each through the code path a user would run on a real model:
 3. regen: the target's greedy replies (``data.regen.run_regen``, i.e. ``dflash-train regen``).
 4. train: the drafter, with the real trainer and the ``tiny-cpu`` recipe.
 5. export: the serving layout the trainer wrote to ``run/export`` (checked here, and reloaded).
-6. eval: real speculative decoding on prompts from the HELD-OUT files, DFlash next to the n-gram
-   prompt-lookup baseline, with the lossless check (``eval.runner.evaluate``).
+6. eval: exact greedy tau (``eval.exact``) on prompts from the HELD-OUT files, DFlash next to the
+   n-gram prompt-lookup baseline, and real speculative decoding of the first few prompts for the
+   lossless check (``eval.runner.evaluate``).
 
 Everything lands in ``workdir``: ``data/`` (prompts, regenerated rows, token cache), ``run/``
 (config, metrics.jsonl, checkpoints, ``export/``) and ``demo_result.json``.
@@ -342,20 +343,21 @@ def evaluate_drafter(target_dir: Path, export_dir: Path, eval_path: Path, settin
     target, drafter = target.eval(), load_drafter(export_dir, device="cpu", dtype=torch.float32)[0].eval()
     prompts = load_prompts(eval_path, tokenizer)
     eos, methods = default_eos_ids(target, tokenizer), ("dflash", "ngram")
-    common = {"max_new_tokens": settings.reply_tokens, "eos_token_ids": eos, "methods": methods}
+    common = {"max_new_tokens": settings.reply_tokens, "eos_token_ids": eos}
     continuations = greedy_continuations(
         target, prompts, pad_token_id=pad_token_for(tokenizer, eos), batch_size=8, **common
     )
-    exact = exact_acceptance(target, drafter, prompts, continuations, **common)
-    decoded = evaluate(target, tokenizer, drafter, prompts[:DEMO_DECODE_PROMPTS], **common)
+    exact = exact_acceptance(target, drafter, prompts, continuations, methods=methods, **common)
+    decoded = evaluate(target, tokenizer, drafter, prompts[:DEMO_DECODE_PROMPTS], methods=methods, **common)
     report = {"methods": {}, "num_prompts": len(prompts), "num_decoded": len(prompts[:DEMO_DECODE_PROMPTS])}
     for name in methods:
-        real = decoded["methods"][name]
+        real, simulated = decoded["methods"][name], exact["methods"][name]
         report["methods"][name] = {
-            **exact["methods"][name],
+            **simulated,
             "lossless": real["lossless"],
             # fp32 on CPU: the decoded prompts' tau must be exactly the simulated one.
-            "exact_matches_decode": real["per_request_tau"] == exact["methods"][name]["per_request_tau"][: report["num_decoded"]],
+            "exact_matches_decode": real["per_request_tau"]
+            == simulated["per_request_tau"][: report["num_decoded"]],
         }
     return report
 
@@ -378,6 +380,8 @@ def summarize(
         "tau": dflash["tau"],
         "ngram_tau": ngram["tau"],
         "lossless": bool(dflash["lossless"] and ngram["lossless"]),
+        "exact_matches_decode": bool(dflash["exact_matches_decode"] and ngram["exact_matches_decode"]),
+        "num_decoded_prompts": report["num_decoded"],
         "train_steps": trained["step"],
         "export": str(export_dir),
         "train_loss": trained["loss"],
@@ -403,7 +407,8 @@ def print_summary(result: dict[str, Any], report: dict) -> None:
         f"DFlash demo{' (--quick smoke run: small stand-in target)' if result['quick'] else ''} "
         f"on {result['num_eval_prompts']} held-out stdlib prompts",
         f"  tau (tokens per target forward, block {len(result['per_position_acceptance']) + 1}): DFlash {result['tau']:.2f}  vs  n-gram {result['ngram_tau']:.2f}",
-        f"  lossless (identical to plain greedy decoding): {result['lossless']}",
+        f"  lossless (identical to plain greedy decoding, {result['num_decoded_prompts']} prompts decoded): "
+        f"{result['lossless']}; exact-mode tau == decoded tau there: {result['exact_matches_decode']}",
         f"  trained {result['train_steps']} steps on {result['num_train_rows']} regenerated rows "
         f"(final loss {result['train_loss']:.3f}, training tau {result['train_tau']:.2f})",
         f"  time: {seconds['total']:.0f}s total ({stages})",

@@ -33,7 +33,7 @@ def run_eval(options: EvalOptions) -> dict[str, Any]:
     device = resolve_device(options.device)
     dtype = resolve_eval_dtype(options.dtype, device)
     torch.manual_seed(options.seed)
-    target_model, tokenizer = load_eval_target(options.target, dtype, device)
+    target_model, tokenizer = load_eval_target(options.target, dtype, device, options.allow_slow_kernels)
     drafter = load_eval_drafter(options.drafter, device, dtype)
     frozen = check_drafter_fits(drafter.config, target_model, tokenizer)
     bad_rows = BadPromptRows(options.max_bad_rows)
@@ -171,13 +171,20 @@ def resolve_eval_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]
 
 
-def load_eval_target(path: str, dtype: torch.dtype, device: torch.device):
-    """The target causal LM (eval mode) and its tokenizer, which eval needs for the prompts."""
-    from dflash_train.models.target import load_causal_lm
+def load_eval_target(path: str, dtype: torch.dtype, device: torch.device, allow_slow_kernels: bool = False):
+    """The target causal LM (eval mode) and its tokenizer, which eval needs for the prompts.
+
+    On CUDA a GatedDeltaNet target must run on the fast kernels (fla conv bound, the guard training
+    uses): a silent PyTorch fallback would make every timing and the whole run several times slower.
+    """
+    from dflash_train.models.target import bind_fla_causal_conv, check_fast_kernels, load_causal_lm
 
     target_model, tokenizer = load_causal_lm(path, dtype=dtype, device=device)
     if tokenizer is None:
         raise ValueError(f"target {path!r} has no tokenizer: eval needs one to encode the prompts")
+    if device.type == "cuda":
+        bind_fla_causal_conv(target_model, device)
+        check_fast_kernels(target_model, device, allow_slow_kernels)
     return target_model.eval(), tokenizer
 
 

@@ -52,6 +52,8 @@ class EvalOptions:
     output_dir: str = ""
     # tqdm progress bars on stderr.
     progress: bool = True
+    # Run a GPU GatedDeltaNet target on the slow PyTorch kernels instead of refusing.
+    allow_slow_kernels: bool = False
     device: str = "auto"
     seed: int = 0
 
