@@ -159,9 +159,13 @@ def test_eval_command_end_to_end(tiny_qwen3_dir, tmp_path, capsys):
         ]
     )  # fmt: skip
     assert code == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     result = json.loads(out.strip().splitlines()[-1])
     assert result["lossless"] is True and result["num_prompts"] == 3 and result["tau_mode"] == "exact"
+    # Progress bars go to stderr, one per phase and method, never into the JSON line.
+    for bar in ("eval generate", "eval drafter", "eval dflash", "eval decode plain", "eval decode ddtree"):
+        assert bar in captured.err, bar
     assert "lossless: yes" in out and "overall" in out
     for key in ("tau", "ngram_tau", "ddtree_tau"):
         assert 1.0 <= result[key] <= BLOCK

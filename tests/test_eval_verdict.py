@@ -202,3 +202,20 @@ def test_eval_refuses_a_drafter_for_another_target(tiny_qwen3_dir, tiny_hybrid_d
             "--device", "cpu", "--no-progress"]  # fmt: skip
     assert main(args) == 1
     assert "mask_token_id" in capsys.readouterr().err
+
+
+def test_eval_options_refuse_bad_values_with_a_remedy():
+    from dflash_train.eval.options import EvalOptions
+
+    base = {"target": "t", "drafter": "d", "prompts": ["p.jsonl"]}
+    assert EvalOptions(**base).resolved_tau_mode == "exact"
+    assert EvalOptions(**base, temperature=0.5).resolved_tau_mode == "decode"
+    assert EvalOptions(**base, baseline="ngram", ddtree_budget=4).methods == ["dflash", "ngram", "ddtree"]
+    with pytest.raises(ValueError, match="--prompts"):
+        EvalOptions(target="t", drafter="d")
+    with pytest.raises(ValueError, match="tau_mode"):
+        EvalOptions(**base, tau_mode="fast")
+    with pytest.raises(ValueError, match="max_new_tokens=0: use >= 1"):
+        EvalOptions(**base, max_new_tokens=0)
+    with pytest.raises(ValueError, match="DDTree is greedy only"):
+        EvalOptions(**base, ddtree_budget=4, temperature=0.7, tau_mode="decode")
