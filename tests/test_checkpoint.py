@@ -1,18 +1,29 @@
 import pytest
 import torch
 
+from dflash_train.models.export import read_dcp_model_state
 from dflash_train.train import checkpoint as ckpt
 
 
+def linear_state(value: float):
+    """A tiny model and optimizer after one AdamW step, with every weight ``value`` before it."""
+    model = torch.nn.Linear(2, 1, bias=False)
+    torch.nn.init.constant_(model.weight, value)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
 def write(out, step, writer=None, keep_last=2, value=0.0):
-    state = dict(
-        drafter_state={"w": torch.full((2,), value)},
-        drafter_config={"block_size": 4},
-        train_state={"step": step},
-        config_yaml="output_dir: x\n",
-        keep_last=keep_last,
-    )
-    return (writer or ckpt.CheckpointWriter(asynchronous=False)).submit(out, step, **state)
+    """One checkpoint of a one-process run, through the trainer's path: shards, then the commit."""
+    writer = writer or ckpt.CheckpointWriter(asynchronous=False)
+    model, optimizer = linear_state(value)
+    staging = ckpt.clear_staging(out, step)
+    state = ckpt.snapshot(ckpt.sharded_state(model, optimizer))
+    shards = ckpt.write_shards(state, staging, group=None, asynchronous=writer.asynchronous)
+    commit = dict(drafter_config={"block_size": 4}, train_state={"step": step}, config_yaml="output_dir: x\n")
+    return writer.submit(out, step, shards=shards, keep_last=keep_last, **commit), model
 
 
 def test_only_committed_folders_count_and_old_ones_are_pruned(tmp_path):
@@ -26,11 +37,34 @@ def test_only_committed_folders_count_and_old_ones_are_pruned(tmp_path):
         ckpt.load_checkpoint(partial)
 
 
+def test_sharded_checkpoint_holds_the_model_and_the_optimizer(tmp_path):
+    path, model = write(tmp_path, 1, value=2.0)
+    loaded = ckpt.load_checkpoint(path)
+    assert loaded["sharded"] and loaded["drafter_state"] is None and loaded["train_state"] == {"step": 1}
+    assert torch.equal(read_dcp_model_state(path / "model_optim")["weight"], model.weight.detach())
+    fresh, optimizer = torch.nn.Linear(2, 1, bias=False), None
+    optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    ckpt.load_sharded_state(fresh, optimizer, path)
+    saved_model, saved_optimizer = linear_state(2.0)
+    assert torch.equal(fresh.weight, saved_model.weight)
+    mine, theirs = optimizer.state_dict()["state"][0], saved_optimizer.state_dict()["state"][0]
+    assert all(torch.equal(mine[k], theirs[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+
+
+def test_sharded_load_of_another_shape_is_a_clear_error(tmp_path):
+    path, _ = write(tmp_path, 1)
+    other = torch.nn.Linear(3, 1, bias=False)
+    with pytest.raises(
+        ValueError, match=r"another architecture.*weight: checkpoint \[1, 2\] vs now \[1, 3\]"
+    ):
+        ckpt.load_sharded_state(other, torch.optim.AdamW(other.parameters()), path)
+
+
 def test_async_writer_commits_and_surfaces_errors(tmp_path, monkeypatch):
     writer = ckpt.CheckpointWriter(asynchronous=True)
-    path = write(tmp_path, 5, writer, value=3.0)
+    path, model = write(tmp_path, 5, writer, value=3.0)
     writer.wait()
-    assert ckpt.load_checkpoint(path)["drafter_state"]["w"].tolist() == [3.0, 3.0]
+    assert torch.equal(read_dcp_model_state(path / "model_optim")["weight"], model.weight.detach())
 
     def disk_full(*args, **kwargs):
         raise OSError("No space left on device")

@@ -116,9 +116,9 @@ def split_overrides(target_ranks: int, max_in_flight: int) -> list[str]:
 
 
 def final_drafter(output_dir: Path) -> dict:
-    from safetensors.torch import load_file
+    from dflash_train.models.export import read_dcp_model_state
 
-    return load_file(output_dir / "checkpoints" / "step-00000006" / "drafter.safetensors")
+    return read_dcp_model_state(output_dir / "checkpoints" / "step-00000006" / "model_optim")
 
 
 # ----------------------------------------------------------------------------- unit tests

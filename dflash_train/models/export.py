@@ -7,8 +7,10 @@ implementations expect, which are exactly ``DFlashDrafter``'s parameter names. N
 block size is a serving flag in both engines, not read from the config.
 
 Training checkpoints (written by the trainer) are directories ``step-*`` holding
-``drafter_config.json`` (the same serving dict) and ``drafter.safetensors`` (fp32 state dict), plus a
-``COMMITTED`` marker once complete; ``export_checkpoint`` turns one into the serving layout.
+``drafter_config.json`` (the same serving dict), the fp32 drafter either as a
+``torch.distributed.checkpoint`` folder ``model_optim/`` (sharded by rank, next to the optimizer
+state) or, in the older layout, as ``drafter.safetensors``, plus a ``COMMITTED`` marker once complete;
+``export_checkpoint`` turns either into the serving layout on one process (CPU is enough).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ WEIGHTS_NAME = "model.safetensors"
 CHECKPOINT_CONFIG_NAME = "drafter_config.json"
 CHECKPOINT_WEIGHTS_NAME = "drafter.safetensors"
 COMMIT_MARKER = "COMMITTED"
+DCP_DIR_NAME = "model_optim"  # the DCP folder of a sharded checkpoint; the drafter's keys are "model.*"
+MODEL_PREFIX = "model."
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -133,6 +137,66 @@ def load_drafter(
     return build_drafter_from_tensors(config, tensors, root / WEIGHTS_NAME, dtype), config
 
 
+def quiet_single_process_dcp() -> None:
+    """Silence DCP's warning that it runs without a process group: one process is what we mean.
+    A process-wide filter, as an async save warns on its own thread."""
+    import warnings
+
+    warnings.filterwarnings(
+        "ignore", message="torch.distributed is disabled, unavailable or uninitialized", category=UserWarning
+    )
+
+
+def _dcp_metadata(dcp_dir: Path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not (dcp_dir / ".metadata").is_file():
+        raise ValueError(f"{dcp_dir} has no .metadata: not a complete torch.distributed.checkpoint folder.")
+    return FileSystemReader(str(dcp_dir)).read_metadata()
+
+
+def checkpoint_tensor_shapes(dcp_dir: str | Path) -> dict[str, tuple[int, ...]]:
+    """The drafter's tensor names and full shapes in a sharded checkpoint (from metadata only)."""
+    entries = _dcp_metadata(Path(dcp_dir)).state_dict_metadata
+    return {
+        key.removeprefix(MODEL_PREFIX): tuple(entry.size)
+        for key, entry in entries.items()
+        if key.startswith(MODEL_PREFIX) and hasattr(entry, "size")
+    }
+
+
+def read_dcp_model_state(dcp_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The full fp32 drafter of a sharded checkpoint on this process's CPU, without a process group.
+
+    Only the ``model.*`` entries are read (not the optimizer state, twice their size); the shards of
+    every saved rank are put together by DCP, whatever the world size of the run that wrote them.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    dcp_dir = Path(dcp_dir)
+    entries = _dcp_metadata(dcp_dir).state_dict_metadata
+    tensors = {
+        key.removeprefix(MODEL_PREFIX): torch.empty(entry.size, dtype=entry.properties.dtype)
+        for key, entry in entries.items()
+        if key.startswith(MODEL_PREFIX) and hasattr(entry, "size")
+    }
+    state = {"model": tensors}
+    quiet_single_process_dcp()
+    dcp.load(state, checkpoint_id=str(dcp_dir), no_dist=True)
+    return state["model"]
+
+
+def _is_checkpoint(root: Path) -> bool:
+    return (root / CHECKPOINT_WEIGHTS_NAME).is_file() or (root / DCP_DIR_NAME).is_dir()
+
+
+def _checkpoint_tensors(source: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    """The drafter tensors of a checkpoint in either layout, and the file or folder they came from."""
+    if (source / DCP_DIR_NAME).is_dir():
+        return read_dcp_model_state(source / DCP_DIR_NAME), source / DCP_DIR_NAME
+    return _read_tensors(source / CHECKPOINT_WEIGHTS_NAME, "cpu"), source / CHECKPOINT_WEIGHTS_NAME
+
+
 def _step_number(path: Path) -> int:
     match = re.fullmatch(r"step-(\d+)", path.name)
     return int(match.group(1)) if match else -1
@@ -141,7 +205,7 @@ def _step_number(path: Path) -> int:
 def resolve_checkpoint(path: str | Path) -> Path:
     """A committed checkpoint dir itself, or the newest committed ``checkpoints/step-*`` of a run dir."""
     root = Path(path)
-    if (root / CHECKPOINT_WEIGHTS_NAME).is_file():
+    if _is_checkpoint(root):
         if not (root / COMMIT_MARKER).is_file():
             raise ValueError(f"{root} has no {COMMIT_MARKER} marker: the checkpoint is incomplete.")
         return root
@@ -152,8 +216,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
     ]
     if not candidates:
         raise ValueError(
-            f"{root} is neither a committed checkpoint (step-* with {CHECKPOINT_WEIGHTS_NAME} and "
-            f"{COMMIT_MARKER}) nor a run directory with committed checkpoints/step-*."
+            f"{root} is neither a committed checkpoint (step-* with {DCP_DIR_NAME}/ or {CHECKPOINT_WEIGHTS_NAME}, "
+            f"and {COMMIT_MARKER}) nor a run directory with committed checkpoints/step-*."
         )
     return max(candidates, key=_step_number)
 
@@ -165,8 +229,8 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, dtype: str = "
     if not (source / CHECKPOINT_CONFIG_NAME).is_file():
         raise ValueError(f"{source} has no {CHECKPOINT_CONFIG_NAME}: cannot tell the drafter's shape.")
     config = DFlashDraftConfig.from_serving_dict(json.loads((source / CHECKPOINT_CONFIG_NAME).read_text()))
-    tensors = _read_tensors(source / CHECKPOINT_WEIGHTS_NAME, "cpu")
-    drafter = build_drafter_from_tensors(config, tensors, source / CHECKPOINT_WEIGHTS_NAME, None)
+    tensors, origin = _checkpoint_tensors(source)
+    drafter = build_drafter_from_tensors(config, tensors, origin, None)
     out = save_drafter(drafter, config, output, dtype=dtype, target=recipe_target(source), announce=True)
     return {
         "export": str(out),

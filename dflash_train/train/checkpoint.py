@@ -1,12 +1,25 @@
-"""Atomic checkpoints: write to a temporary folder, fsync, drop a commit marker, rename.
+"""Atomic, sharded checkpoints through ``torch.distributed.checkpoint`` (DCP).
 
 Layout of ``<output_dir>/checkpoints/step-000123/``:
-  drafter.safetensors   full fp32 drafter state (serving tensor names), readable by ``export``
+  model_optim/          a DCP checkpoint: ``.metadata`` plus ``__<rank>_<n>.distcp`` files. It holds
+                        the drafter (``model.<name>``, fp32, serving names) and the AdamW state
+                        (``optim.state.<name>.exp_avg`` ...). Each rank writes its own FSDP2 shards, no
+                        gather; under DDP each replicated tensor is written once, spread over the ranks.
+  state.pt              step, scheduler, data position, RNG, counters, world size (no model tensors)
   drafter_config.json   the drafter's serving config.json
-  state.pt              optimizer, scheduler, data position, RNG, metric counters, step
   config.yaml           the resolved recipe
   COMMITTED             written last; a folder without it is ignored (a crash mid-save)
-Only rank 0 writes; the state it writes is gathered from every rank beforehand.
+
+Commit protocol: the group's rank 0 creates ``.tmp-step-N``; barrier; every rank writes its shards
+(DCP fsyncs each file); DCP's coordinator writes ``.metadata`` only after it has gathered every
+rank's write result, so once the save returns (or its future resolves) on rank 0 every shard is
+durable. Only then does rank 0 write ``state.pt`` and the configs, fsync the tree, write the
+marker and rename the folder. A SIGKILL of any rank before that rename leaves a ``.tmp-*`` folder
+that is ignored. With ``checkpoint.async_write`` the shards are written by ``dcp.async_save`` from
+a staged CPU copy and the commit runs on a background thread; the next save and the exit wait.
+
+Older checkpoints (``drafter.safetensors`` with the full optimizer inside ``state.pt``, written by
+rank 0 alone) still resume and export; ``load_checkpoint`` tells the two apart.
 """
 
 from __future__ import annotations
@@ -22,10 +35,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import yaml
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from dflash_train.models.export import DCP_DIR_NAME, checkpoint_tensor_shapes, quiet_single_process_dcp
 
 COMMIT_MARKER = "COMMITTED"
+STATE_NAME = "state.pt"
+LEGACY_WEIGHTS_NAME = "drafter.safetensors"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 # Recipe keys that change what is learned; a resume with a different value is refused unless allowed.
 RESUME_CRITICAL = (
@@ -61,6 +79,16 @@ def checkpoints_root(output_dir: str | Path) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
+def step_folder(output_dir: str | Path, step: int) -> Path:
+    """Where step ``step`` lives once committed."""
+    return checkpoints_root(output_dir) / f"step-{step:08d}"
+
+
+def staging_folder(output_dir: str | Path, step: int) -> Path:
+    """Where every rank writes step ``step`` before the commit (one name all ranks agree on)."""
+    return checkpoints_root(output_dir) / f".tmp-step-{step:08d}"
+
+
 def committed_checkpoints(output_dir: str | Path) -> list[Path]:
     """Committed step folders, oldest first; partial folders (no marker) are ignored."""
     root = checkpoints_root(output_dir)
@@ -92,31 +120,88 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def _fsync_tree(folder: Path) -> None:
+    """fsync every file and folder under ``folder`` (the shards of other ranks included: on a
+    shared file system this is cheap when DCP already synced them, and a guarantee when not)."""
+    for path in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        _fsync_dir(path) if path.is_dir() else _fsync_file(path)
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def clear_staging(output_dir: str | Path, step: int) -> Path:
+    """Rank 0, before the save's barrier: an empty staging folder (a crashed earlier try is removed)."""
+    tmp = staging_folder(output_dir, step)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    return tmp
+
+
+def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``{"model", "optim"}`` as DCP saves and loads them: each rank's own FSDP2 shards (DTensors),
+    or the plain tensors of a DDP replica or single process, keyed by parameter names."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from dflash_train.train.parallel import unwrap, uses_fsdp
+
+    module = model if uses_fsdp(model) else unwrap(model)
+    model_state, optim_state = get_state_dict(module, optimizer)
+    return {"model": model_state, "optim": optim_state}
+
+
+def _storage_writer(path: Path):
+    """DCP's file writer, fsyncing every shard file (a seam for the fault tests)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    return FileSystemWriter(str(path), sync_files=True)
+
+
+def write_shards(state: dict[str, Any], staging: Path, *, group, asynchronous: bool) -> Future | None:
+    """Every rank: write this rank's part of ``state`` into ``staging/model_optim``.
+
+    Synchronous: returns None once every rank's shards and the metadata are on disk. Asynchronous:
+    stages a CPU copy (the only part the training loop waits for) and returns the future of the
+    write, which resolves on the coordinator only after every rank has written.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    single = not (dist.is_available() and dist.is_initialized())
+    if single:
+        quiet_single_process_dcp()
+    kwargs = dict(storage_writer=_storage_writer(staging / DCP_DIR_NAME), process_group=group, no_dist=single)
+    if asynchronous:
+        return dcp.async_save(state, **kwargs)
+    dcp.save(state, **kwargs)
+    return None
+
+
 def save_checkpoint(
     output_dir: str | Path,
     step: int,
     *,
-    drafter_state: dict[str, torch.Tensor],
+    shards: Future | None,
     drafter_config: dict[str, Any],
     train_state: dict[str, Any],
     config_yaml: str,
     keep_last: int,
 ) -> Path:
-    """Write one checkpoint atomically and prune all but the newest ``keep_last`` (rank 0 only)."""
-    root = checkpoints_root(output_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step:08d}"
-    tmp = root / f".tmp-step-{step:08d}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    state = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in drafter_state.items()}
-    save_file(state, tmp / "drafter.safetensors")
+    """Rank 0: commit step ``step`` once its shards are durable (``shards``: the pending async write,
+    None when already written), then prune all but the newest ``keep_last`` checkpoints."""
+    if shards is not None:
+        shards.result()  # every rank's shards and the metadata are on disk after this
+    root, tmp, final = (
+        checkpoints_root(output_dir),
+        staging_folder(output_dir, step),
+        step_folder(output_dir, step),
+    )
     (tmp / "drafter_config.json").write_text(json.dumps(drafter_config, indent=2))
-    torch.save(train_state, tmp / "state.pt")
     (tmp / "config.yaml").write_text(config_yaml)
-    for f in tmp.iterdir():
-        _fsync_file(f)
+    torch.save(train_state, tmp / STATE_NAME)
+    _fsync_file(tmp / STATE_NAME)
+    _fsync_tree(tmp)
     (tmp / COMMIT_MARKER).write_text(f"{step}\n")
     _fsync_file(tmp / COMMIT_MARKER)
     _fsync_dir(tmp)
@@ -130,27 +215,36 @@ def save_checkpoint(
 
 
 class CheckpointWriter:
-    """Writes checkpoints on one background thread so training goes on during the disk I/O.
+    """At most one checkpoint in flight per rank, and the errors of a background write surface in
+    the training thread (at the next ``submit``/``hold``, ``wait`` or ``close``).
 
-    At 27B scale a checkpoint is ~20 GB (fp32 drafter + AdamW state) and takes tens of seconds to
-    write and fsync. The state is snapshotted on the training thread first (``snapshot``); at most
-    one write is in flight, so submitting the next one, ``wait`` and ``close`` block on the previous
-    write and raise its error in the training thread. The thread only does file I/O.
+    Rank 0 commits each checkpoint (``save_checkpoint``) inline or, when ``asynchronous``, on one
+    background thread that first waits for the DCP write; the other ranks ``hold`` the future of their
+    own async write. ``group`` is the gloo process group DCP coordinates over (made by the run on its
+    first save): the async write's collectives run on a background thread, so they must not share a
+    group with the training collectives.
     """
 
     def __init__(self, asynchronous: bool = True):
+        self.asynchronous = asynchronous
         self.pool = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint") if asynchronous else None
         )
         self.pending: Future | None = None
+        self.group: Any = None
 
     def submit(self, output_dir: str | Path, step: int, **state: Any) -> Path:
-        """Write (or start writing) step ``step``; returns the folder it will have once committed."""
+        """Commit (or start committing) step ``step``; returns the folder it will have once committed."""
         self.wait()
         if self.pool is None:
             return save_checkpoint(output_dir, step, **state)
         self.pending = self.pool.submit(save_checkpoint, output_dir, step, **state)
-        return checkpoints_root(output_dir) / f"step-{step:08d}"
+        return step_folder(output_dir, step)
+
+    def hold(self, shards: Future | None) -> None:
+        """A rank other than 0: remember its own async write, waited for like a commit."""
+        self.wait()
+        self.pending = shards
 
     def wait(self) -> None:
         if self.pending is not None:
@@ -168,20 +262,62 @@ def snapshot(tree: Any) -> Any:
     return copy.deepcopy(tree)
 
 
+# ----------------------------------------------------------------------------- reading
+
+
+def is_sharded(path: str | Path) -> bool:
+    """Whether ``path`` is a DCP checkpoint (else the older single-file layout)."""
+    return (Path(path) / DCP_DIR_NAME / ".metadata").is_file()
+
+
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Read a committed checkpoint: drafter state, drafter config, train state and recipe."""
+    """Read a committed checkpoint's drafter config, train state and recipe (and, in the older
+    single-file layout, the full drafter state); the DCP shards are read by ``load_sharded_state``."""
     path = Path(path)
     if not (path / COMMIT_MARKER).is_file():
         raise ValueError(
             f"{path} is not a committed checkpoint (no {COMMIT_MARKER} marker): it was interrupted while saving; resume from an older one."
         )
+    sharded = is_sharded(path)
+    if not sharded and not (path / LEGACY_WEIGHTS_NAME).is_file():
+        raise ValueError(
+            f"{path} holds neither {DCP_DIR_NAME}/.metadata (a sharded checkpoint) nor {LEGACY_WEIGHTS_NAME} "
+            "(the older single-file layout): it is not a dflash-train checkpoint, or it was copied incompletely."
+        )
     return {
         "path": path,
-        "drafter_state": load_file(path / "drafter.safetensors"),
+        "sharded": sharded,
+        "drafter_state": None if sharded else load_file(path / LEGACY_WEIGHTS_NAME),
         "drafter_config": json.loads((path / "drafter_config.json").read_text()),
-        "train_state": torch.load(path / "state.pt", weights_only=False),
+        "train_state": torch.load(path / STATE_NAME, weights_only=False),
         "config": yaml.safe_load((path / "config.yaml").read_text()),
     }
+
+
+def load_sharded_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str | Path, group=None
+) -> None:
+    """Every rank: read a DCP checkpoint into the (possibly sharded) drafter and its optimizer, at
+    any world size (DCP reads the pieces of the saved tensors each rank's shards need).
+
+    Names and shapes are checked against the checkpoint's metadata first, so a drafter of another
+    architecture is the same clear ``ValueError`` as with the single-file layout.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from dflash_train.train.parallel import unwrap, uses_fsdp
+
+    source = Path(path)
+    expected = {k: tuple(v.shape) for k, v in unwrap(model).state_dict().items()}
+    raise_on_mismatch(state_mismatches(expected, checkpoint_tensor_shapes(source / DCP_DIR_NAME)), source)
+    state = sharded_state(model, optimizer)
+    single = not (dist.is_available() and dist.is_initialized())
+    if single:
+        quiet_single_process_dcp()
+    dcp.load(state, checkpoint_id=str(source / DCP_DIR_NAME), process_group=group, no_dist=single)
+    module = model if uses_fsdp(model) else unwrap(model)
+    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def _lookup(tree: dict[str, Any], dotted: str) -> Any:
@@ -268,7 +404,7 @@ def load_model_state(
     optim_state: dict[str, Any],
     source: str | Path,
 ) -> None:
-    """Load a checkpoint's drafter and optimizer state into the (possibly wrapped) drafter.
+    """Load a single-file checkpoint's full drafter and optimizer state into the (possibly wrapped) drafter.
 
     A tensor the model lacks, or of another shape, is a drafter of another architecture: it becomes a
     ``ValueError`` that names the tensors and says how to proceed, not a raw state-dict RuntimeError.
@@ -284,6 +420,11 @@ def load_model_state(
         if not any(sign in str(err) for sign in ("size mismatch", "Missing key", "Unexpected key", "shape")):
             raise
         problems = [str(err).splitlines()[0]]
+    raise_on_mismatch(problems, source)
+
+
+def raise_on_mismatch(problems: list[str], source: str | Path) -> None:
+    """The ``ValueError`` for a checkpoint whose drafter has another architecture (no-op if none)."""
     if problems:
         raise ValueError(
             f"cannot resume from {source}: its drafter has another architecture than the one configured now "

@@ -3,8 +3,9 @@ save / resume / export of a run, shared by colocated and split placement.
 
 A ``Run`` trains the drafter over a process group: every rank of the job (colocated, ``group`` None)
 or the drafter ranks only (split placement). Reductions, checkpoint gathers and barriers go over
-that group; rank 0 of it writes. The checkpoint format is the same for both placements, so a split
-checkpoint resumes colocated with as many ranks as it had drafter ranks, and vice versa.
+that group; every rank of it writes its checkpoint shards and its rank 0 commits. The checkpoint
+format is the same for both placements, so a split checkpoint resumes colocated, and vice versa, on
+any number of ranks (a changed world size remaps the data position and is logged).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from torch import nn
 from dflash_train.config import RunConfig
 from dflash_train.train import checkpoint as ckpt
 from dflash_train.train.logging import MetricsLogger, log_main
-from dflash_train.train.parallel import DistInfo, full_model_state, full_optimizer_state, unwrap
+from dflash_train.train.parallel import DistInfo, full_model_state, unwrap
 
 
 class NonFiniteError(RuntimeError):
@@ -130,11 +131,12 @@ def run_result(
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def train_state_dict(run: Run, optim_state: dict, **extra: Any) -> dict[str, Any]:
-    """Everything but the drafter weights that a resume needs (``extra``: placement-specific parts)."""
+def train_state_dict(run: Run, **extra: Any) -> dict[str, Any]:
+    """Everything but the model and optimizer tensors that a resume needs (``extra``: placement-specific
+    parts); the world size tells a resume on another number of ranks to remap the data position."""
     return {
         "step": run.step,
-        "optimizer": optim_state,
+        "world_size": run.info.world_size,
         "scheduler": run.scheduler.state_dict(),
         "data": run.data.state_dict(),
         **extra,
@@ -143,27 +145,63 @@ def train_state_dict(run: Run, optim_state: dict, **extra: Any) -> dict[str, Any
     }
 
 
+def checkpoint_group(run: Run) -> Any:
+    """The gloo group DCP coordinates a save over (None alone), made on the first save.
+
+    Its own group, not the training one: an async save runs DCP's collectives on a background thread
+    while the training thread runs its own, and gloo is what DCP needs for an async save on GPU.
+    ``use_local_synchronization``: only the run's ranks make it (split placement's target ranks never save).
+    """
+    if not run.info.distributed:
+        return None
+    if run.writer.group is None:
+        import datetime
+
+        ranks = (
+            dist.get_process_group_ranks(run.group)
+            if run.group is not None
+            else list(range(dist.get_world_size()))
+        )
+        timeout = datetime.timedelta(seconds=run.cfg.train.dist_timeout_s)
+        run.writer.group = dist.new_group(
+            ranks, timeout=timeout, backend="gloo", use_local_synchronization=True
+        )
+    return run.writer.group
+
+
 def save(run: Run, **extra: Any) -> Path:
-    """Gather the full state over the group; its rank 0 writes it atomically (in the background when
-    ``checkpoint.async_write``). ``extra`` joins the train state (read on the writing rank only)."""
-    model_state = full_model_state(run.model, group=run.group)
-    optim_state = full_optimizer_state(run.model, run.optimizer, group=run.group)
-    path = ckpt.checkpoints_root(run.cfg.output_dir) / f"step-{run.step:08d}"
+    """Every rank writes its shards of the drafter and optimizer (DCP); the group's rank 0 commits.
+
+    With ``checkpoint.async_write`` the loop waits only for the staging copy; the previous save is
+    committed before a new one starts. ``extra`` joins the train state (read on rank 0 only).
+    """
+    run.writer.wait()
     if run.info.is_main:
-        train_state = train_state_dict(run, optim_state, **extra)
-        if run.writer.pool is not None and run.info.device.type == "cpu":
-            # On CPU the gathered state aliases the live tensors; the writer thread needs a copy.
-            model_state, train_state = ckpt.snapshot(model_state), ckpt.snapshot(train_state)
+        ckpt.clear_staging(run.cfg.output_dir, run.step)
+    barrier(run)  # the staging folder exists before any rank writes into it
+    state = ckpt.sharded_state(run.model, run.optimizer)
+    if run.writer.asynchronous and run.info.device.type == "cpu":
+        # On CPU the state aliases the live tensors; the background write needs its own copy.
+        state = ckpt.snapshot(state)
+    staging = ckpt.staging_folder(run.cfg.output_dir, run.step)
+    shards = ckpt.write_shards(
+        state, staging, group=checkpoint_group(run), asynchronous=run.writer.asynchronous
+    )
+    path = ckpt.step_folder(run.cfg.output_dir, run.step)
+    if run.info.is_main:
         path = run.writer.submit(
             run.cfg.output_dir,
             run.step,
-            drafter_state=model_state,
+            shards=shards,
             drafter_config=run.draft_config.to_serving_dict(),
-            train_state=train_state,
+            train_state=train_state_dict(run, **extra),
             config_yaml=run.cfg.to_yaml(),
             keep_last=run.cfg.checkpoint.keep_last,
         )
-    barrier(run)
+    else:
+        run.writer.hold(shards)
+    if not run.writer.asynchronous:
+        barrier(run)  # no rank runs ahead of the commit
     return path
 
 
@@ -192,14 +230,38 @@ def maybe_resume(run: Run) -> None:
         current_drafter=run.draft_config.to_serving_dict(),
     )
     state = loaded["train_state"]
-    ckpt.load_model_state(run.model, loaded["drafter_state"], run.optimizer, state["optimizer"], path)
+    if loaded["sharded"]:
+        ckpt.load_sharded_state(run.model, run.optimizer, path, group=run.group)
+    else:  # the older single-file layout: full state, loaded on every rank
+        ckpt.load_model_state(run.model, loaded["drafter_state"], run.optimizer, state["optimizer"], path)
     run.scheduler.load_state_dict(state["scheduler"])
-    run.data.load_state_dict(state["data"])
+    run.data.load_state_dict(data_position(run, state))
     run.counters.update(state["counters"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
     run.step = state["step"]
     log_main(f"resumed from {path} at step {run.step}")
+
+
+def data_position(run: Run, state: dict[str, Any]) -> dict[str, int]:
+    """The saved data position, remapped when the run resumes on another number of ranks.
+
+    An epoch's batch order depends on the world size (batches are grouped one per rank), so there
+    is no exact match: the run continues in the same epoch at the same fraction of it, and rows of
+    that epoch may be seen twice or not at all until the next epoch starts. Logged, not refused.
+    """
+    data = dict(state["data"])
+    saved_world = state.get("world_size", run.info.world_size)  # older checkpoints: not recorded
+    if saved_world == run.info.world_size:
+        return data
+    old_steps, new_steps = data["steps_per_epoch"], run.data.steps_per_epoch
+    position = data["position"] * new_steps // old_steps
+    log_main(
+        f"resuming a {saved_world}-rank checkpoint on {run.info.world_size} ranks: data position "
+        f"epoch {data['epoch']} step {data['position']}/{old_steps} -> step {position}/{new_steps} "
+        "(the same fraction of the epoch; its batch order depends on the world size)"
+    )
+    return {**data, "position": position, "steps_per_epoch": new_steps}
 
 
 def export_final(run: Run) -> Path:
