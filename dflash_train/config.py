@@ -95,6 +95,11 @@ class DataConfig:
     token_budget: int = 4096
     # Rows longer than the largest bucket: "drop" (counted) or "truncate" (counted).
     overlong: Literal["drop", "truncate"] = "truncate"
+    # Pack whole conversations into rows of the largest bucket (first-fit decreasing within a
+    # shuffle window) instead of padding each to its bucket; docs/data.md "Packing".
+    packing: bool = False
+    # Conversations per first-fit-decreasing window when packing (larger packs tighter).
+    pack_window: int = 4096
     # Bad rows (malformed JSON, no assistant turn, ...) skipped and counted before failing.
     max_bad_rows: int = 0
     num_workers: int = 2
@@ -107,6 +112,9 @@ class TrainConfig:
     """Optimisation, the DFlash loss and the execution strategy."""
 
     num_anchors: int = 512
+    # Packed rows: at most ceil(anchors_per_token * length) anchors per conversation (the row still
+    # has num_anchors slots); 0 = num_anchors / row length.
+    anchors_per_token: float = 0.0
     # Loss decay exp(-(k-1)/gamma) over block position k; 0 = 7/5/4 for block 16/10/8.
     gamma: float = 0.0
     # Objective (docs/training.md "Loss options"): "ce" on the data's tokens, "kl" to the target's
@@ -243,6 +251,7 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(
             f"data.token_budget={dt.token_budget} is smaller than the largest bucket {dt.seq_buckets[-1]}: raise it to at least {dt.seq_buckets[-1]} so a longest row fits."
         )
+    validate_packing(cfg)
     if t.lr <= 0 or not 0 <= t.warmup_ratio < 1 or not 0 <= t.min_lr_ratio <= 1:
         raise ValueError("train.lr must be > 0, train.warmup_ratio in [0, 1), train.min_lr_ratio in [0, 1].")
     if len(t.betas) != 2:
@@ -268,6 +277,18 @@ def validate(cfg: RunConfig) -> None:
     if t.gamma < 0 or t.loss_chunk_tokens < 1 or t.sdpa_anchor_chunk < 1:
         raise ValueError(
             "train.gamma must be >= 0 (0 = default), train.loss_chunk_tokens and train.sdpa_anchor_chunk >= 1."
+        )
+
+
+def validate_packing(cfg: RunConfig) -> None:
+    """Packing knobs, and the placement that does not carry packed rows yet."""
+    dt, t = cfg.data, cfg.train
+    if dt.pack_window < 1 or t.anchors_per_token < 0:
+        raise ValueError("data.pack_window must be >= 1 and train.anchors_per_token >= 0 (0 = num_anchors / row).")
+    if dt.packing and t.placement == "split":
+        raise ValueError(
+            "data.packing=true is not supported with train.placement=split yet (the feature stream does not "
+            "carry conversation boundaries); use train.placement=colocated or data.packing=false."
         )
 
 

@@ -15,6 +15,7 @@ Integer overflow in torch wraps in two's complement on every backend, which the 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 # Legend: R rows, L sequence, A anchors.
 INT64_MAX = 2**63 - 1
@@ -75,3 +76,82 @@ def sample_anchors(
         anchors = torch.cat([anchors, anchors.new_zeros(num_rows, pad)], dim=1)
         keep = torch.cat([keep, keep.new_zeros(num_rows, pad)], dim=1)
     return anchors, keep
+
+
+def packed_anchor_keys(seed: int, epoch: int, token_sample_index: Tensor, position_ids: Tensor) -> Tensor:
+    """``anchor_keys`` of every token from its conversation's index and its position inside it.
+
+    [R, L] int64 in [0, 2**62). A conversation draws exactly the keys it would draw alone (row index
+    = its sample index, position = its own position), wherever it lands in a packed row.
+    """
+    device = token_sample_index.device
+    base = splitmix64(torch.tensor([seed], dtype=torch.int64, device=device))
+    base = splitmix64(base ^ torch.tensor([epoch], dtype=torch.int64, device=device))
+    row = splitmix64(base ^ token_sample_index.to(torch.int64))
+    return shift_right_logical(splitmix64(row ^ splitmix64(position_ids.to(torch.int64))), 2)
+
+
+def sample_packed_anchors(
+    loss_mask: Tensor,
+    position_ids: Tensor,
+    token_sample_index: Tensor,
+    num_anchors: int,
+    anchors_per_token: float,
+    seed: int,
+    epoch: int,
+) -> tuple[Tensor, Tensor]:
+    """Anchors of packed rows, budgeted per conversation: ``(anchors [R, A], keep [R, A])``.
+
+    A position a is valid when a and a + 1 are response tokens of the same conversation. Each
+    conversation of n tokens may hold at most ``ceil(anchors_per_token * n)`` anchors (its valid
+    positions with the smallest keys); when the caps of a row add up to more than A, every
+    conversation gets its first anchor before any gets its second (ties by key). So a short
+    conversation is never starved by a long neighbour, and the row keeps exactly A slots.
+    Fixed shapes, no host sync, a pure function of (seed, epoch, sample index, position).
+    """
+    num_rows, length = loss_mask.shape
+    if num_anchors < 1 or length < 2 or anchors_per_token <= 0:
+        raise ValueError(
+            f"sample_packed_anchors needs A >= 1, L >= 2 and anchors_per_token > 0, got "
+            f"A={num_anchors}, L={length}, anchors_per_token={anchors_per_token}"
+        )
+    same = position_ids[:, 1:] == position_ids[:, :-1] + 1
+    valid = loss_mask[:, :-1] & loss_mask[:, 1:] & same  # [R, L-1]
+    keys = packed_anchor_keys(seed, epoch, token_sample_index, position_ids)[:, :-1]
+    keys = torch.where(valid, keys, torch.full_like(keys, INT64_MAX))
+    segment = (position_ids == 0).long().cumsum(dim=1) - 1  # [R, L]: conversation (or tail) number
+    rank = rank_within_segment(keys, segment[:, :-1])
+    sizes = torch.zeros(num_rows, length, dtype=torch.long, device=loss_mask.device)
+    sizes.scatter_add_(1, segment, torch.ones_like(segment))
+    cap = torch.ceil(sizes.gather(1, segment[:, :-1]).double() * anchors_per_token).long()
+    chosen = valid & (rank < cap)
+    # Priority: lower rank within its conversation first, then the smaller key.
+    priority_rank = torch.where(chosen, rank, torch.full_like(rank, length))
+    by_key = torch.sort(keys, dim=1, stable=True).indices
+    by_rank = torch.sort(priority_rank.gather(1, by_key), dim=1, stable=True).indices
+    order = by_key.gather(1, by_rank)  # [R, L-1] positions, best first
+    k = min(num_anchors, length - 1)
+    positions = order[:, :k]
+    keep = chosen.gather(1, positions)
+    order_key, _ = torch.sort(torch.where(keep, positions, positions + length), dim=1)
+    keep = order_key < length
+    anchors = torch.where(keep, order_key, torch.zeros_like(order_key))
+    if k < num_anchors:
+        pad = num_anchors - k
+        anchors = torch.cat([anchors, anchors.new_zeros(num_rows, pad)], dim=1)
+        keep = torch.cat([keep, keep.new_zeros(num_rows, pad)], dim=1)
+    return anchors, keep
+
+
+def rank_within_segment(keys: Tensor, segment: Tensor) -> Tensor:
+    """[R, N]: the rank of each key among the keys of its segment (0 = smallest; ties by position)."""
+    num_rows, size = keys.shape
+    by_key = torch.sort(keys, dim=1, stable=True).indices
+    by_segment = torch.sort(segment.gather(1, by_key), dim=1, stable=True).indices
+    order = by_key.gather(1, by_segment)  # grouped by segment, keys ascending inside
+    counts = torch.zeros(num_rows, size + 1, dtype=torch.long, device=keys.device)
+    counts.scatter_add_(1, segment, torch.ones_like(segment))
+    starts = counts.cumsum(dim=1) - counts  # first slot of each segment in ``order``
+    slots = torch.arange(size, device=keys.device).expand(num_rows, -1)
+    rank_sorted = slots - starts.gather(1, segment.gather(1, order))
+    return torch.empty_like(rank_sorted).scatter_(1, order, rank_sorted)

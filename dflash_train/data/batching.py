@@ -5,6 +5,10 @@ A row goes to the smallest bucket ``L >= len(row)``. Every micro-batch of a buck
 the whole run sees only ``len(seq_buckets)`` shapes: compiled kernels and CUDA graphs are reused
 and the allocator does not churn. Rows are right-padded with the pad id; a bucket's last batch is
 completed with filler rows (pad ids, all-false masks, ``sample_index = -1``) instead of shrinking.
+
+Packing (``data.packing``) fills rows of the largest bucket with whole conversations instead
+(``first_fit_decreasing``, ``assemble_packed_batch``): one shape for the whole run, per-conversation
+position ids marking the boundaries that the target, the drafter's masks and the anchors respect.
 """
 
 from __future__ import annotations
@@ -36,6 +40,15 @@ class Batch:
     attention_mask: torch.Tensor
     sample_index: torch.Tensor
     epoch: int = 0
+    # Packed batches only (data.packing): position_ids [R, L] long restart at 0 at every
+    # conversation (and at the padding tail); token_sample_index [R, L] long is the global row index
+    # of the conversation each token belongs to (-1 for padding). None for bucketed batches.
+    position_ids: torch.Tensor | None = None
+    token_sample_index: torch.Tensor | None = None
+
+    @property
+    def packed(self) -> bool:
+        return self.position_ids is not None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -104,3 +117,101 @@ def padding_waste(
     """Fraction of batch tokens that are padding (pad columns, filler rows and filler batches)."""
     total = sum(n * r * length for n, r, length in zip(batches_per_bucket, rows, seq_buckets))
     return 1.0 - real_tokens / total if total else 0.0
+
+
+# ------------------------------------------------------------------------------------- packing
+
+
+def first_fit_decreasing(
+    lengths: np.ndarray, order: np.ndarray, capacity: int, window: int
+) -> list[np.ndarray]:
+    """Bins of at most ``capacity`` tokens, each an array of indices into ``lengths``.
+
+    ``order`` (a shuffled permutation) is cut into windows of ``window`` items; within a window the
+    items go longest first into the first open bin with room (first-fit decreasing), and a window's
+    bins are closed before the next window starts, so a bin only mixes items of one window. Every
+    length must be <= capacity (the overlong policy runs first).
+    """
+    bins: list[np.ndarray] = []
+    for start in range(0, len(order), window):
+        items = order[start : start + window]
+        items = items[np.argsort(-lengths[items], kind="stable")]
+        free = np.zeros(len(items), dtype=np.int64)  # at most one bin per item
+        members: list[list[int]] = []
+        for item in items:
+            need = int(lengths[item])
+            fits = free[: len(members)] >= need
+            slot = int(fits.argmax()) if len(members) and fits.any() else len(members)
+            if slot == len(members):
+                members.append([])
+                free[slot] = capacity
+            members[slot].append(int(item))
+            free[slot] -= need
+        bins += [np.asarray(m, dtype=np.int64) for m in members]
+    return bins
+
+
+def assemble_packed_batch(
+    rows: list[list[tuple[np.ndarray, np.ndarray]]],
+    sample_index: list[list[int]],
+    num_rows: int,
+    length: int,
+    pad_id: int,
+) -> Batch:
+    """Packed rows [num_rows, length]: row r holds the conversations ``rows[r]`` back to back.
+
+    Each conversation gets positions 0..n-1 (truncated to ``length``); the padding tail is one more
+    segment with positions from 0, so a boundary is wherever the position does not grow by one.
+    ``sample_index`` [R] is the first conversation's index (-1 for filler rows); the per-token
+    index is ``token_sample_index``.
+    """
+    ids = np.full((num_rows, length), pad_id, dtype=np.int64)
+    loss_mask = np.zeros((num_rows, length), dtype=bool)
+    attention_mask = np.zeros((num_rows, length), dtype=bool)
+    positions = np.tile(np.arange(length, dtype=np.int64), (num_rows, 1))
+    token_index = np.full((num_rows, length), -1, dtype=np.int64)
+    for r, (conversations, indices) in enumerate(zip(rows, sample_index)):
+        start = 0
+        for (row_ids, row_mask), index in zip(conversations, indices):
+            n = min(len(row_ids), length - start)
+            ids[r, start : start + n] = row_ids[:n]
+            loss_mask[r, start : start + n] = row_mask[:n]
+            positions[r, start : start + n] = np.arange(n)
+            token_index[r, start : start + n] = index
+            start += n
+        attention_mask[r, :start] = True
+        positions[r, start:] = np.arange(length - start)
+    first = np.full(num_rows, -1, dtype=np.int64)
+    for r, indices in enumerate(sample_index):
+        first[r] = indices[0] if len(indices) else -1
+    return Batch(
+        input_ids=torch.from_numpy(ids),
+        loss_mask=torch.from_numpy(loss_mask),
+        attention_mask=torch.from_numpy(attention_mask),
+        sample_index=torch.from_numpy(first),
+        position_ids=torch.from_numpy(positions),
+        token_sample_index=torch.from_numpy(token_index),
+    )
+
+
+def segment_bounds(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per row, the [start, end) of every segment (conversation or padding tail): host-side."""
+    starts = (position_ids == 0).cpu()
+    bounds = []
+    for row in starts:
+        first = torch.nonzero(row).flatten().tolist()
+        bounds.append(list(zip(first, first[1:] + [row.numel()])))
+    return bounds
+
+
+def same_segment(position_ids: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[R, A, B-1] bool: whether a + k (k = 1..B-1) is in the same conversation as anchor a.
+
+    Within a segment the position grows by one per token, and every segment starts at 0, so
+    ``position[a + k] == position[a] + k`` holds exactly when no boundary lies in (a, a + k].
+    """
+    seq_len = position_ids.shape[1]
+    offsets = torch.arange(1, block_size, device=anchors.device)
+    at = (anchors[..., None] + offsets).clamp(max=seq_len - 1)  # [R, A, K]
+    start = position_ids.gather(1, anchors)[..., None]
+    return position_ids.gather(1, at.flatten(1)).view_as(at) == start + offsets

@@ -10,6 +10,9 @@ rather than dropping data: dropping would starve rare buckets (the longest rows)
 
 ``state_dict()`` is (epoch, position): the next batch to hand out. Resuming from it replays
 exactly the batches an uninterrupted run would have seen, on any rank.
+
+With ``data.packing`` the plan comes from ``data.packing.PackingPlan`` instead: rows of the largest
+bucket filled with whole conversations, one shape for every step, the same (epoch, position) state.
 """
 
 from __future__ import annotations
@@ -21,8 +24,16 @@ from typing import Any
 import numpy as np
 
 from dflash_train.config import DataConfig, RunConfig
-from dflash_train.data.batching import Batch, assemble_batch, bucket_of, padding_waste, rows_per_batch
+from dflash_train.data.batching import (
+    Batch,
+    assemble_batch,
+    assemble_packed_batch,
+    bucket_of,
+    padding_waste,
+    rows_per_batch,
+)
 from dflash_train.data.cache import TokenizedData, load_or_build
+from dflash_train.data.packing import PackingPlan
 from dflash_train.data.skips import SkipCounts
 
 
@@ -40,6 +51,9 @@ class DataStats:
     padding_waste: float
     skips: dict[str, int]
     num_skipped: int
+    # data.packing: rows of the largest bucket filled with whole conversations.
+    packing: bool = False
+    conversations_per_row: float = 1.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,6 +90,17 @@ class TrainData:
         self.row_bucket = bucket_of(self.row_length, self.buckets)
         self.groups_per_bucket = [self._num_groups(b) for b in range(len(self.buckets))]
         self.steps_per_epoch = sum(self.groups_per_bucket)
+        self.pack: PackingPlan | None = None
+        if cfg.packing:
+            self.pack = PackingPlan(
+                self.row_length,
+                seed=seed,
+                capacity=self.buckets[-1],
+                rows=rows_per_batch(self.buckets[-1:], cfg.token_budget, batch_rows_multiple)[0],
+                window=cfg.pack_window,
+                world_size=world_size,
+            )
+            self.steps_per_epoch = self.pack.steps_per_epoch
         self.epoch, self.position = 0, 0
         self._plan_epoch, self._plan = -1, []
         self.stats = self._compute_stats()
@@ -113,6 +138,8 @@ class TrainData:
         return -(-num_batches // self.world_size)
 
     def _compute_stats(self) -> DataStats:
+        if self.pack is not None:
+            return self._packed_stats()
         counts = np.bincount(self.row_bucket, minlength=len(self.buckets))
         batches = [g * self.world_size for g in self.groups_per_bucket]
         return DataStats(
@@ -128,6 +155,24 @@ class TrainData:
             ),
             skips=self.skips.to_dict(),
             num_skipped=self.skips.num_skipped,
+        )
+
+    def _packed_stats(self) -> DataStats:
+        counts = np.bincount(self.row_bucket, minlength=len(self.buckets))
+        length, total = self.buckets[-1], self.pack.steps_per_epoch * self.world_size
+        return DataStats(
+            num_rows=len(self.row_index),
+            num_tokens=int(self.row_length.sum()),
+            num_response_tokens=int(self.row_response.sum()),
+            rows_per_bucket={L: int(n) for L, n in zip(self.buckets, counts)},
+            batches_per_bucket={L: total if L == length else 0 for L in self.buckets},
+            rows_per_batch={L: self.pack.rows if L == length else 0 for L in self.buckets},
+            steps_per_epoch=self.steps_per_epoch,
+            padding_waste=self.pack.padding_waste(int(self.row_length.sum())),
+            skips=self.skips.to_dict(),
+            num_skipped=self.skips.num_skipped,
+            packing=True,
+            conversations_per_row=self.pack.conversations_per_row(),
         )
 
     # ------------------------------------------------------------------ order
@@ -150,11 +195,21 @@ class TrainData:
 
     def batch_at(self, epoch: int, step: int) -> Batch:
         """This rank's batch at ``step`` of ``epoch`` (random access, no state change)."""
+        if self.pack is not None:
+            return self._packed_batch_at(epoch, step)
         group = self.epoch_plan(epoch)[step]
         bucket = self._group_bucket(group)
         indices = [int(self.row_index[m]) for m in group[self.rank]]
         rows = [self.tokenized.row(i) for i in indices]
         batch = assemble_batch(rows, indices, self.rows_per_batch[bucket], self.buckets[bucket], self.pad_id)
+        batch.epoch = epoch
+        return batch
+
+    def _packed_batch_at(self, epoch: int, step: int) -> Batch:
+        packed_rows = self.pack.groups(epoch)[step][self.rank]
+        indices = [[int(self.row_index[m]) for m in members] for members in packed_rows]
+        rows = [[self.tokenized.row(i) for i in row] for row in indices]
+        batch = assemble_packed_batch(rows, indices, self.pack.rows, self.buckets[-1], self.pad_id)
         batch.epoch = epoch
         return batch
 
@@ -184,7 +239,8 @@ class TrainData:
     def log_stats(self) -> dict[str, float]:
         """Scalar stats for the trainer's logger (the full ``stats`` go into the run folder)."""
         s = self.stats
-        return {
+        packed = {"conversations_per_row": s.conversations_per_row} if s.packing else {}
+        return packed | {
             "rows": s.num_rows,
             "tokens": s.num_tokens,
             "response_tokens": s.num_response_tokens,

@@ -244,6 +244,7 @@ class DFlashDrafter(nn.Module):
         sdpa_anchor_chunk: int = 64,
         *,
         sdpa_trim_context: bool = False,
+        position_ids: Tensor | None = None,
     ) -> Tensor:
         """All blocks of a micro-batch at once -> hidden [R, A, B, H] after the final norm.
 
@@ -251,6 +252,8 @@ class DFlashDrafter(nn.Module):
         Padded anchors (keep=0) are moved to position 0: their outputs are don't-care but finite.
         ``backend`` "flex" or "sdpa" (chunks of ``sdpa_anchor_chunk`` anchors; ``sdpa_trim_context``
         trades fixed shapes for fewer FLOPs, see masks.ChunkedSdpaAttention).
+        ``position_ids`` [R, L] (packed rows) restart at 0 at every conversation: RoPE uses them, and
+        a block sees only the context of its anchor's conversation.
         """
         num_rows, seq_len = input_ids.shape
         size = self.config.block_size
@@ -258,8 +261,15 @@ class DFlashDrafter(nn.Module):
         ids = block_token_ids(input_ids, anchors, size, self.config.mask_token_id)
         hidden = self.embed_block(ids.flatten(1), embed_tokens)  # [R, A*B, H]
         context = self.project_context(features)  # [R, L, H]
-        block_rope = self.rope(block_positions(anchors, size).flatten(1))
-        context_rope = self.rope(torch.arange(seq_len, device=input_ids.device)[None])
+        context_start = None
+        if position_ids is None:
+            block_rope = self.rope(block_positions(anchors, size).flatten(1))
+            context_rope = self.rope(torch.arange(seq_len, device=input_ids.device)[None])
+        else:
+            anchor_positions = position_ids.gather(1, anchors)  # [R, A]: positions in the conversation
+            context_start = anchors - anchor_positions
+            block_rope = self.rope(block_positions(anchor_positions, size).flatten(1))
+            context_rope = self.rope(position_ids)
         attends = build_train_attention(
             backend,
             anchors,
@@ -268,6 +278,7 @@ class DFlashDrafter(nn.Module):
             self.mask_specs,
             sdpa_anchor_chunk=sdpa_anchor_chunk,
             sdpa_trim_context=sdpa_trim_context,
+            context_start=context_start,
         )
         for layer, layer_type in zip(self.layers, self.config.layer_types, strict=True):
             hidden = layer(hidden, context, block_rope, context_rope, attends[layer_type])

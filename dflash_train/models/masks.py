@@ -5,7 +5,10 @@ A block token at block position k of anchor a sees
 - context features at positions p < a (the anchor's own feature does not exist yet at inference);
   in a sliding layer only p >= a + k - (window - 1);
 - tokens of its own block: all B in a full layer, j <= k in a causal sliding layer;
-- nothing of any other block.
+- nothing of any other block;
+- in a packed row (several conversations, ``context_start`` given) only context of its own
+  conversation: p >= the first position of the anchor's conversation (conversations are
+  contiguous, so the document-id test is this one lower bound).
 A block token always sees itself, so no softmax row is ever fully masked (padded anchors stay finite).
 The flex BlockMask's 128 x 128 tiles are classified from the same rule read as key intervals per
 query (``flex_tile_visibility``), not by evaluating it on every query-key pair.
@@ -69,14 +72,18 @@ def _visible(
     ctx_pos: Tensor,
     kv_slot: Tensor,
     kv_k: Tensor,
+    ctx_start: Tensor | None = None,
 ) -> Tensor:
     """The DESIGN.md visibility rule on broadcastable index tensors (the one place it is written).
 
     anchor: the query's anchor position a; q_slot/q_k: the query's anchor index and block position;
     is_context: whether the key is a context feature (at ctx_pos) or a block token (of anchor index
-    kv_slot, block position kv_k).
+    kv_slot, block position kv_k); ctx_start: the first position of the anchor's conversation
+    (packed rows only).
     """
     ctx_ok = is_context & (ctx_pos < anchor)
+    if ctx_start is not None:
+        ctx_ok = ctx_ok & (ctx_pos >= ctx_start)
     if spec.window is not None:
         ctx_ok = ctx_ok & (ctx_pos >= anchor + q_k - (spec.window - 1))
     block_ok = ~is_context & (kv_slot == q_slot)
@@ -108,7 +115,11 @@ FlexMaskMethod = Literal["analytic", "create_block_mask", "create_block_mask_com
 
 
 def _flex_mask_mod(
-    anchors: Tensor, context_len: int, block_size: int, spec: LayerMaskSpec
+    anchors: Tensor,
+    context_len: int,
+    block_size: int,
+    spec: LayerMaskSpec,
+    context_start: Tensor | None = None,
 ) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
     """``_visible`` in flex's (b, h, q_idx, kv_idx) form, over the [P context ; A*B block tokens] keys."""
 
@@ -124,20 +135,25 @@ def _flex_mask_mod(
             ctx_pos=kv_idx,
             kv_slot=block_idx // block_size,
             kv_k=block_idx % block_size,
+            ctx_start=None if context_start is None else context_start[b, q_slot],
         )
 
     return mask_mod
 
 
 def flex_tile_visibility(
-    anchors: Tensor, context_len: int, block_size: int, spec: LayerMaskSpec
+    anchors: Tensor,
+    context_len: int,
+    block_size: int,
+    spec: LayerMaskSpec,
+    context_start: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(any, full) [R, nq, nk] bool: whether some / every query of each 128 x 128 tile sees its keys.
 
     ``_visible`` read as intervals of the KV index space: query i (slot s = i // B, block position
     k = i % B, anchor a in [0, P]) sees the context [lo, a) with lo = max(0, a + k -
     (window - 1)) in a sliding layer (else 0), and the block tokens [P + s*B, P + s*B + (k + 1 if
-    causal else B)). The tiles are classified from these 2 intervals per query, never from the
+    causal else B)); in a packed row lo is also at least the anchor's ``context_start``. The tiles are classified from these 2 intervals per query, never from the
     Q x KV pairs: O(R * A*B + R * nq * nk) memory and time, static shapes, no host sync.
     - any: the KV tiles [lo // 128, ceil(hi / 128)) of every non-empty interval, marked per Q tile
       in a difference array (+1 at the first tile, -1 past the last) whose running sum is > 0.
@@ -162,6 +178,8 @@ def flex_tile_visibility(
         ctx_lo = torch.zeros_like(ctx_hi)
     else:
         ctx_lo = (ctx_hi + q_k - (spec.window - 1)).clamp(min=0)
+    if context_start is not None:
+        ctx_lo = torch.maximum(ctx_lo, context_start.long().repeat_interleave(block_size, dim=1))
     blk_lo = (context_len + q_slot * block_size).expand_as(ctx_lo)
     blk_hi = blk_lo + (q_k + 1 if spec.causal else block_size)
 
@@ -206,6 +224,7 @@ def build_flex_block_mask(
     spec: LayerMaskSpec,
     *,
     method: FlexMaskMethod = "analytic",
+    context_start: Tensor | None = None,
 ) -> BlockMask:
     """BlockMask over [A*B block queries] x [context_len context ; A*B block tokens] for anchors [R, A].
 
@@ -216,12 +235,13 @@ def build_flex_block_mask(
     pairs instead: 7 + 5 ms per micro-batch on an H200 at 4,096 tokens and 512 anchors x 16
     (full + sliding layer) uncompiled, and 0.33 ms compiled but after 234 s of first compilation
     (DESIGN.md section 4). It stays as the reference (``"create_block_mask"``, and
-    ``"create_block_mask_compiled"``); all three give the same BlockMask.
+    ``"create_block_mask_compiled"``); all three give the same BlockMask. ``context_start`` [R, A]
+    (packed rows) is the first position of each anchor's conversation.
     """
     num_queries = anchors.shape[1] * block_size
-    mask_mod = _flex_mask_mod(anchors, context_len, block_size, spec)
+    mask_mod = _flex_mask_mod(anchors, context_len, block_size, spec, context_start)
     if method == "analytic":
-        any_tile, full_tile = flex_tile_visibility(anchors, context_len, block_size, spec)
+        any_tile, full_tile = flex_tile_visibility(anchors, context_len, block_size, spec, context_start)
         return BlockMask.from_kv_blocks(
             *_ordered_tiles(any_tile & ~full_tile),
             *_ordered_tiles(full_tile),
@@ -311,10 +331,12 @@ class ChunkedSdpaAttention:
         *,
         trim_context: bool = False,
         context_quantum: int = 128,
+        context_start: Tensor | None = None,
     ) -> None:
         if chunk < 1:
             raise ValueError(f"sdpa_anchor_chunk={chunk} must be >= 1.")
         self.anchors = anchors
+        self.context_start = context_start  # [R, A], packed rows only
         self.block_size = block_size
         self.spec = spec
         self.chunk = chunk
@@ -331,6 +353,11 @@ class ChunkedSdpaAttention:
         """Keep-mask [R, 1, n*B, (hi - lo) + n*B] for anchors start..start+n-1, context [lo, hi)."""
         anchors = self.anchors[:, start : start + self.chunk]  # [R, n]
         device, size = anchors.device, self.block_size
+        ctx_start = None
+        if self.context_start is not None:
+            ctx_start = self.context_start[:, start : start + self.chunk].repeat_interleave(size, dim=1)[
+                ..., None
+            ]
         q_idx = torch.arange(anchors.shape[1] * size, device=device)
         q_slot, q_k = q_idx // size, q_idx % size
         ctx_pos = torch.arange(lo, hi, device=device)
@@ -347,6 +374,7 @@ class ChunkedSdpaAttention:
             ctx_pos=pos,
             kv_slot=kv_slot,
             kv_k=kv_k,
+            ctx_start=ctx_start,
         )
         return mask[:, None]
 
@@ -371,17 +399,28 @@ def build_train_attention(
     *,
     sdpa_anchor_chunk: int = 64,
     sdpa_trim_context: bool = False,
+    context_start: Tensor | None = None,
 ) -> dict[str, AttendFn]:
-    """One attention callable per layer type, built once per forward and shared by its layers."""
+    """One attention callable per layer type, built once per forward and shared by its layers.
+
+    ``context_start`` [R, A] (packed rows): the first position of each anchor's conversation."""
     if backend == "flex":
         return {
-            name: FlexBlockAttention(build_flex_block_mask(anchors, context_len, block_size, spec))
+            name: FlexBlockAttention(
+                build_flex_block_mask(anchors, context_len, block_size, spec, context_start=context_start)
+            )
             for name, spec in specs.items()
         }
     if backend == "sdpa":
         return {
             name: ChunkedSdpaAttention(
-                anchors, context_len, block_size, spec, sdpa_anchor_chunk, trim_context=sdpa_trim_context
+                anchors,
+                context_len,
+                block_size,
+                spec,
+                sdpa_anchor_chunk,
+                trim_context=sdpa_trim_context,
+                context_start=context_start,
             )
             for name, spec in specs.items()
         }

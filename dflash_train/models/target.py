@@ -31,6 +31,7 @@ from dflash_train.models.target_kernels import (
     bound_kernels,
     check_fast_kernels,
     compile_target_regions,
+    gated_delta_net_layers,
 )
 from dflash_train.models.target_loading import (
     load_causal_lm,
@@ -106,6 +107,7 @@ class FrozenTarget:
         attention_mask: torch.Tensor | None = None,
         *,
         with_final_hidden: bool = False,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Outputs of layers ``target_layer_ids`` concatenated in that order: [R, L] ids -> [R, L, n*H].
 
@@ -118,7 +120,25 @@ class FrozenTarget:
         ``with_final_hidden`` (a KL teacher) runs every layer and the final norm instead and returns
         ``(features, final_hidden [R, L, H])``: the decoder output after its final norm, which the LM
         head turns into the target's own next-token logits.
+
+        ``position_ids`` [R, L] (packed rows, restarting at 0 at every conversation) make the target
+        see each conversation as if alone: ``packed_features`` (then ``attention_mask`` must be None).
         """
+        if position_ids is not None:
+            if attention_mask is not None:
+                raise ValueError("packed rows take position_ids without an attention_mask")
+            return packed_features(self, input_ids, position_ids, with_final_hidden=with_final_hidden)
+        return self.run_decoder(input_ids, attention_mask, with_final_hidden=with_final_hidden)
+
+    def run_decoder(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        with_final_hidden: bool = False,
+        **decoder_kwargs: Any,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """One decoder forward of ``features`` (``decoder_kwargs``: position ids, varlen lengths)."""
         if with_final_hidden and self.built_truncated:
             raise ValueError(
                 "this target was built only up to its feature layers (truncate_unused_layers); a KL teacher "
@@ -136,12 +156,103 @@ class FrozenTarget:
         )
         try:
             with depth:
-                output = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+                output = self.decoder(
+                    input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **decoder_kwargs
+                )
         finally:
             for handle in handles:
                 handle.remove()
         features = torch.cat([captured[i] for i in self.target_layer_ids], dim=-1)
         return (features, output.last_hidden_state) if with_final_hidden else features
+
+
+# ----------------------------------------------------------------------------- packed rows
+
+ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+def packed_features(
+    target: FrozenTarget, input_ids: torch.Tensor, position_ids: torch.Tensor, *, with_final_hidden: bool
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``FrozenTarget.features`` of packed rows, every conversation as if it ran alone.
+
+    - Pure-attention targets: one forward with the per-conversation ``position_ids`` and no mask;
+      transformers' mask code reads the restarts as packed sequences (block-diagonal causal mask
+      for eager/sdpa/flex, varlen lengths for flash attention) and RoPE uses the same positions.
+    - GatedDeltaNet hybrids with fla's chunk rule and conv bound: the rows flattened to [1, R*L]
+      with ``cu_seq_lens_q`` so the recurrent and conv states restart at every boundary (fla's
+      varlen kernels); the attention layers get the packed mask from the position ids.
+    - GatedDeltaNet hybrids on transformers' torch fallback (CPU): the fallback ignores
+      ``cu_seqlens`` and would carry state across boundaries, so every conversation runs alone
+      (correct and slower: the CPU reference).
+    Any other layer type (Mamba, ...) is refused rather than risk crossing a boundary.
+    """
+    layer_types = set(getattr(target.config, "layer_types", None) or ["full_attention"])
+    if not gated_delta_net_layers(target.model):
+        if not layer_types <= ATTENTION_LAYER_TYPES:
+            raise ValueError(
+                f"data.packing: target layer types {sorted(layer_types)} are not supported in packed rows "
+                "(only attention and GatedDeltaNet layers are); set data.packing=false."
+            )
+        return target.run_decoder(input_ids, position_ids=position_ids, with_final_hidden=with_final_hidden)
+    if not layer_types <= ATTENTION_LAYER_TYPES | {"linear_attention"}:
+        raise ValueError(
+            f"data.packing: target layer types {sorted(layer_types)} are not supported; set data.packing=false."
+        )
+    kernels = target.kernels
+    if kernels.get("chunk_gated_delta_rule") == "fla" and kernels.get("causal_conv1d_fn") == "fla":
+        return varlen_features(target, input_ids, position_ids, with_final_hidden=with_final_hidden)
+    if input_ids.is_cuda:
+        warnings.warn(
+            "data.packing on a GatedDeltaNet target without fla's varlen kernels (chunk rule "
+            f"{kernels.get('chunk_gated_delta_rule')}, conv {kernels.get('causal_conv1d_fn')}): every "
+            "conversation runs separately, correct but slow; install fla-core.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return per_conversation_features(target, input_ids, position_ids, with_final_hidden=with_final_hidden)
+
+
+def varlen_features(
+    target: FrozenTarget, input_ids: torch.Tensor, position_ids: torch.Tensor, *, with_final_hidden: bool
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Packed rows as one [1, R*L] varlen sequence through fla's kernels; outputs back to [R, L, ...]."""
+    num_rows, seq_len = input_ids.shape
+    flat_positions = position_ids.reshape(1, -1)
+    starts = torch.nonzero(flat_positions[0] == 0).flatten()
+    total = torch.tensor([flat_positions.numel()], device=starts.device)
+    cu_seqlens = torch.cat([starts, total])  # the one host sync: the number of segments
+    # Only the GatedDeltaNet layers take cu_seq_lens_q (the chunk rule pops it, our fla conv reads
+    # it); attention layers build their packed mask (eager/sdpa/flex) or varlen lengths (flash)
+    # from the restarting position ids, as transformers does for packed sequences.
+    out = target.run_decoder(
+        input_ids.reshape(1, -1),
+        position_ids=flat_positions,
+        cu_seq_lens_q=cu_seqlens,
+        with_final_hidden=with_final_hidden,
+    )
+    if with_final_hidden:
+        return tuple(t.reshape(num_rows, seq_len, -1) for t in out)
+    return out.reshape(num_rows, seq_len, -1)
+
+
+def per_conversation_features(
+    target: FrozenTarget, input_ids: torch.Tensor, position_ids: torch.Tensor, *, with_final_hidden: bool
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Every conversation (and padding tail) of every row through the decoder alone (reference path)."""
+    from dflash_train.data.batching import segment_bounds
+
+    outputs: list[torch.Tensor] | None = None
+    for row, bounds in enumerate(segment_bounds(position_ids)):
+        for start, end in bounds:
+            out = target.run_decoder(input_ids[row : row + 1, start:end], with_final_hidden=with_final_hidden)
+            parts = out if with_final_hidden else (out,)
+            if outputs is None:
+                shape = input_ids.shape
+                outputs = [p.new_zeros(*shape, p.shape[-1]) for p in parts]
+            for full, part in zip(outputs, parts):
+                full[row, start:end] = part[0]
+    return tuple(outputs) if with_final_hidden else outputs[0]
 
 
 def check_layer_ids(target_layer_ids: list[int], num_layers: int) -> list[int]:

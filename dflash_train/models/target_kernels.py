@@ -104,10 +104,19 @@ def bound_implementation(function: Callable) -> tuple[Callable, Callable | None]
 
 
 def fla_causal_conv1d_fn(hidden_states, weight, bias=None, activation=None, **kwargs):
-    """transformers' ``causal_conv1d_fn`` contract ([B, D, T] in and out) on fla's Triton kernel."""
+    """transformers' ``causal_conv1d_fn`` contract ([B, D, T] in and out) on fla's Triton kernel.
+
+    ``cu_seq_lens_q`` (packed rows, [1, T] input) restarts the convolution at every boundary.
+    """
     from fla.modules.causal_conv1d import causal_conv1d
 
-    out, _ = causal_conv1d(hidden_states.transpose(1, 2), weight=weight, bias=bias, activation=activation)
+    out, _ = causal_conv1d(
+        hidden_states.transpose(1, 2),
+        weight=weight,
+        bias=bias,
+        activation=activation,
+        cu_seqlens=kwargs.get("cu_seq_lens_q"),
+    )
     return out.transpose(1, 2)
 
 

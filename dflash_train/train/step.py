@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from dflash_train.config import RunConfig
+from dflash_train.data.batching import same_segment
 from dflash_train.models.dtypes import DTYPES
 from dflash_train.train.faults import any_rank_flags
 from dflash_train.train.flops import mfu, train_step_flops
@@ -45,10 +46,17 @@ def prepare_micro_batch(run: Run, batch, epoch: int) -> dict[str, torch.Tensor]:
     input_ids = batch.input_ids.to(dev, non_blocking=True)
     loss_mask = batch.loss_mask.to(dev, non_blocking=True)
     attention_mask = batch.attention_mask.to(dev, non_blocking=True)
-    anchors, keep = sample_anchors(
-        loss_mask, run.cfg.train.num_anchors, run.cfg.train.seed, epoch, batch.sample_index.to(dev)
-    )
+    position_ids = getattr(batch, "position_ids", None)
+    if position_ids is None:
+        anchors, keep = sample_anchors(
+            loss_mask, run.cfg.train.num_anchors, run.cfg.train.seed, epoch, batch.sample_index.to(dev)
+        )
+    else:  # packed rows: anchors budgeted per conversation, labels never past its end
+        position_ids = position_ids.to(dev, non_blocking=True)
+        anchors, keep = packed_anchors(run, loss_mask, position_ids, batch.token_sample_index.to(dev), epoch)
     labels, label_valid = block_targets(input_ids, loss_mask, anchors, run.cfg.drafter.block_size)
+    if position_ids is not None:
+        label_valid = label_valid & same_segment(position_ids, anchors, run.cfg.drafter.block_size)
     # What this micro-batch adds to the step's loss denominator (decay weights, or kept blocks).
     weights = denominator_weights(keep, label_valid, run.gamma, LossOptions.from_train_config(run.cfg.train))
     return {
@@ -60,14 +68,27 @@ def prepare_micro_batch(run: Run, batch, epoch: int) -> dict[str, torch.Tensor]:
         "labels": labels,
         "label_valid": label_valid,
         "weights": weights,
+        **({"position_ids": position_ids} if position_ids is not None else {}),
     }
+
+
+def packed_anchors(run: Run, loss_mask, position_ids, token_sample_index, epoch: int):
+    """``sample_packed_anchors`` with ``train.anchors_per_token`` (0 = num_anchors per row length)."""
+    from dflash_train.data.anchors import sample_packed_anchors
+
+    t = run.cfg.train
+    per_token = t.anchors_per_token or t.num_anchors / loss_mask.shape[1]
+    return sample_packed_anchors(
+        loss_mask, position_ids, token_sample_index, t.num_anchors, per_token, t.seed, epoch
+    )
 
 
 def target_features(target, input_ids: torch.Tensor, **kwargs: Any):
     """The target's features [R, L, n*H] of a micro-batch; both placements run the target this way.
 
     No attention mask: right padding is invisible to a causal target at real tokens, and filler rows
-    have an all-false mask that could produce fully masked softmax rows.
+    have an all-false mask that could produce fully masked softmax rows. Packed rows pass their
+    ``position_ids`` (each conversation seen alone).
     """
     return target.features(input_ids, None, **kwargs)
 
@@ -75,9 +96,10 @@ def target_features(target, input_ids: torch.Tensor, **kwargs: Any):
 def target_pass(run: Run, m: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The target's features of one micro-batch and, for a KL loss, the teacher's hidden state of
     every block label (the target then runs to full depth; ``ce`` keeps the truncated pass)."""
+    packed = {"position_ids": m["position_ids"]} if "position_ids" in m else {}
     if not LossOptions.from_train_config(run.cfg.train).uses_kl:
-        return target_features(run.target, m["input_ids"]), None
-    features, final_hidden = target_features(run.target, m["input_ids"], with_final_hidden=True)
+        return target_features(run.target, m["input_ids"], **packed), None
+    features, final_hidden = target_features(run.target, m["input_ids"], with_final_hidden=True, **packed)
     return features, teacher_block_hidden(final_hidden, m["anchors"], run.cfg.drafter.block_size)
 
 
@@ -108,6 +130,7 @@ def drafter_forward_backward(
             run.target.embed_tokens,
             backend=resolve_backend(cfg, run.info),
             sdpa_anchor_chunk=cfg.train.sdpa_anchor_chunk,
+            **({"position_ids": m["position_ids"]} if "position_ids" in m else {}),
         )
         loss, stats = dflash_loss(
             hidden.to(run.target.lm_head.weight.dtype),
