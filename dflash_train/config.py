@@ -187,6 +187,29 @@ class LoggingConfig:
 
 
 @dataclass(kw_only=True)
+class EvalConfig:
+    """Exact greedy acceptance (tau) of the drafter on held-out prompts during training
+    (docs/training.md, "Acceptance during training"). Off while ``prompts`` is empty."""
+
+    # JSONL prompt files (chat rows or {"prompt": ...}, as `dflash-train eval --prompts` reads);
+    # each is also logged on its own as eval_tau/<file stem>.
+    prompts: list[str] = field(default_factory=list)
+    # Evaluate every this many optimizer steps and at the last step; 0 = only at the last step.
+    every_steps: int = 500
+    # First prompts of each file to use; 0 = all of them.
+    num_prompts: int = 0
+    # Greedy continuation length per prompt (generated once at the start: the target is frozen).
+    max_new_tokens: int = 256
+    # Prompts per batched greedy-generation forward; 0 = 32 on CUDA, 8 on CPU.
+    batch_size: int = 0
+    # Block tokens per batched drafter pass.
+    drafter_batch_tokens: int = 65536
+    # Also log the n-gram prompt-lookup baseline (eval_ngram_tau, once: it does not train).
+    ngram: bool = True
+    ngram_n: int = 3
+
+
+@dataclass(kw_only=True)
 class RunConfig:
     """The whole recipe."""
 
@@ -197,6 +220,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -274,6 +298,7 @@ def validate(cfg: RunConfig) -> None:
             f"checkpoint.keep_last={cfg.checkpoint.keep_last}: keep at least 2 so a crash during a save leaves a good one."
         )
     validate_loss_options(t)
+    validate_eval(cfg.eval, t)
     if t.gamma < 0 or t.loss_chunk_tokens < 1 or t.sdpa_anchor_chunk < 1:
         raise ValueError(
             "train.gamma must be >= 0 (0 = default), train.loss_chunk_tokens and train.sdpa_anchor_chunk >= 1."
@@ -336,6 +361,32 @@ def validate_loss_options(t: TrainConfig) -> None:
         raise NotImplementedError(
             f"train.loss={t.loss} with train.placement=split: streaming the target's final hidden states to the "
             "drafter ranks is not implemented; use train.placement=colocated for a KL loss, or train.loss=ce."
+        )
+
+
+def validate_eval(e: EvalConfig, t: TrainConfig) -> None:
+    """eval.* : counts in range, distinct file names, and no split placement (not implemented)."""
+    if e.every_steps < 0 or e.num_prompts < 0 or e.batch_size < 0:
+        raise ValueError(
+            "eval.every_steps, eval.num_prompts and eval.batch_size must be >= 0 (0 = at the end only / all / auto)."
+        )
+    if e.max_new_tokens < 2 or e.drafter_batch_tokens < 1 or e.ngram_n < 1:
+        raise ValueError(
+            f"eval.max_new_tokens={e.max_new_tokens} must be >= 2 (a draft round needs an emitted token), "
+            f"eval.drafter_batch_tokens={e.drafter_batch_tokens} and eval.ngram_n={e.ngram_n} >= 1."
+        )
+    stems = [Path(p).stem for p in e.prompts]
+    repeated = sorted({s for s in stems if stems.count(s) > 1})
+    if repeated:
+        raise ValueError(
+            f"eval.prompts has several files named {repeated}: per-file metrics are keyed by file name "
+            "(eval_tau/<name>), so rename or merge them."
+        )
+    if e.prompts and t.placement == "split":
+        raise NotImplementedError(
+            "eval.prompts with train.placement=split: acceptance during training is implemented for colocated "
+            "training only. Use train.placement=colocated, or drop eval.prompts and run `dflash-train eval` on "
+            "the exports of the split run."
         )
 
 

@@ -24,6 +24,8 @@ from dflash_train.train.builders import (
     seed_everything,
 )
 from dflash_train.train.faults import GracefulStop, Watchdog
+from dflash_train.train.heldout_eval import build_heldout_eval
+from dflash_train.train.heldout_eval import evaluate as evaluate_heldout
 from dflash_train.train.logging import MetricsLogger, log_main
 from dflash_train.train.loss import add_metrics
 from dflash_train.train.parallel import DistInfo, init_distributed, unwrap, use_expandable_segments
@@ -67,9 +69,10 @@ def train_colocated(cfg: RunConfig, hooks: TrainHooks) -> dict[str, Any]:
 
 
 def train_loop(run: Run, hooks: TrainHooks, logger: MetricsLogger) -> tuple[float, Path | None]:
-    """Optimizer steps until done or a collective stop: step, log, save."""
+    """Optimizer steps until done or a collective stop: step, (eval,) log, save."""
     timer, window = PhaseTimer(run.info.device), LogWindow(run.step)
     last_loss, saved = float("nan"), None
+    heldout = build_heldout_eval(run)  # None without eval.prompts
     stacks = Path(run.cfg.output_dir) / "watchdog-stacks.txt"
     with GracefulStop() as stop, Watchdog(run.cfg.train.watchdog_s, stacks) as watchdog:
         while run.step < run.total_steps:
@@ -77,8 +80,12 @@ def train_loop(run: Run, hooks: TrainHooks, logger: MetricsLogger) -> tuple[floa
             result = train_step(run, timer, hooks, stop_requested=lambda: stop.requested)
             window.add(result)
             stopping = result["stop"]  # agreed by all ranks inside the step
-            if window.due(run, stopping):
+            evaluating = heldout is not None and heldout.due(run, stopping)  # same on every rank
+            if window.due(run, stopping) or evaluating:
                 row = window.row(run, result, timer)
+                if evaluating:
+                    row.update(evaluate_heldout(run, heldout))
+                    window.reset(run.step)  # the evaluation's time is not training throughput
                 last_loss = row["loss"]
                 logger.log(run.step, row)
             logger.advance(run.step)

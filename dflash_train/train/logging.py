@@ -9,7 +9,8 @@ enabled). It only ever receives Python numbers: the trainer does its ``.item()``
 steps, so ``advance`` can run every step without a host sync.
 
 Metric names the human line and the progress bar know (others are recorded but not printed):
-``loss``, ``lr``, ``grad_norm``, ``tau``, ``tokens_per_s``, ``mfu`` (a fraction; hidden when 0, e.g.
+``loss``, ``lr``, ``grad_norm``, ``tau``, ``eval_tau`` and ``eval_ngram_tau`` (held-out acceptance,
+on evaluation steps), ``tokens_per_s``, ``mfu`` (a fraction; hidden when 0, e.g.
 on CPU), ``peak_mem_gb`` (1e9 bytes). ``last`` holds the most recent logged metrics.
 A list value holds one number per scored block position: index i is block position i + 1
 (position 0, the anchor, is never scored) and is logged to TensorBoard/wandb as
@@ -133,7 +134,7 @@ class MetricsLogger:
         if self._wandb_run is not None:
             self._wandb_run.log(scalars, step=step)
         if self._bar is not None:
-            postfix = {k: metrics[k] for k in ("loss", "tau", "tokens_per_s") if k in metrics}
+            postfix = {k: metrics[k] for k in ("loss", "tau", "eval_tau", "tokens_per_s") if k in metrics}
             self._bar.set_postfix({k: f"{v:.4g}" for k, v in postfix.items()}, refresh=False)
         else:
             log_main(self.format_line(step, metrics))
@@ -155,8 +156,13 @@ class MetricsLogger:
             "lr": "lr {:.2e}",
             "grad_norm": "grad {:.3f}",
             "tau": "tau {:.3f}",
+            "eval_tau": "eval tau {:.3f}",
+            "eval_ngram_tau": "n-gram {:.3f}",
         }
         parts += [fmt.format(metrics[k]) for k, fmt in formats.items() if k in metrics]
+        parts += [
+            f"{k.removeprefix('eval_tau/')} {v:.3f}" for k, v in metrics.items() if k.startswith("eval_tau/")
+        ]
         if "tokens_per_s" in metrics:
             parts.append(f"{format_count(metrics['tokens_per_s'])} tok/s")
         if metrics.get("mfu"):

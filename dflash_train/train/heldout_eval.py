@@ -1,0 +1,283 @@
+"""Acceptance measured during training: exact greedy tau of the current drafter on held-out prompts.
+
+``eval.prompts`` (JSONL files) are read once at the start; the frozen target's greedy continuations
+are generated once too (the target never changes) and reused at every evaluation. Every
+``eval.every_steps`` steps and at the last step the drafter's exact-mode tau (``eval/exact.py``:
+one batched feature pass, one batched drafter pass, a host simulation of the rounds) is logged as
+``eval_tau`` (all files) and ``eval_tau/<file stem>``, with ``eval_acc_by_pos`` and the cost
+``time_eval_s``; the n-gram baseline (``eval_ngram_tau``) is logged once, with the first evaluation.
+The drafter with the best ``eval_tau`` so far is written to ``output_dir/export-best``.
+
+Ranks. The prompts are sharded over the run's ranks (prompt i on rank i % world). Each rank
+evaluates its shard with a plain, uncompiled copy of the drafter in the training dtype (what the
+export holds): under DDP the copy is filled from the rank's own replica, under FSDP2 from the full
+state that every rank gathers together. Nothing inside the evaluation is a collective, so ranks with
+more or fewer prompts cannot mismatch; the per-prompt results are then all-gathered, every rank
+computes the same metrics and the same best-so-far decision, rank 0 writes ``export-best`` and all
+ranks meet at a barrier.
+
+The training run is left as it was: the copy is built inside a forked RNG (CPU, CUDA and Python
+``random``), so the losses after an evaluation are those of a run without it and resume stays
+bit-exact; the training module's mode, parameters and compiled graphs are never touched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dflash_train.eval.speculative import Generation
+from dflash_train.eval.summary import summarize_rounds
+from dflash_train.train.logging import log_main
+from dflash_train.train.parallel import unwrap, uses_fsdp
+
+BEST_DIR = "export-best"
+BEST_RECORD = "eval.json"
+
+
+@dataclass
+class HeldoutEval:
+    """The held-out prompts of this rank, their greedy continuations and the best tau so far."""
+
+    names: list[str]  # one per prompt file (its stem): the per-file metric suffix
+    indices: list[int]  # global index of each local prompt
+    file_of: list[int]  # file of each local prompt
+    prompts: list[list[int]]
+    continuations: list[list[int]]
+    eos_token_ids: set[int]
+    pad_token_id: int
+    best_tau: float = -math.inf
+    pending: dict[str, Any] = field(default_factory=dict)  # logged with the next evaluation (once)
+
+    def due(self, run, stopping: bool) -> bool:
+        """Evaluate every ``eval.every_steps`` steps and at the last step (a SIGTERM stop skips it)."""
+        every = run.cfg.eval.every_steps
+        return not stopping and (run.step == run.total_steps or (every > 0 and run.step % every == 0))
+
+
+def build_heldout_eval(run) -> HeldoutEval | None:
+    """Read ``eval.prompts`` and generate the target's greedy continuations once (this rank's shard);
+    None when ``eval.prompts`` is empty. Every rank must call it."""
+    cfg = run.cfg.eval
+    if not cfg.prompts:
+        return None
+    from dflash_train.eval.generate import greedy_continuations, pad_token_for
+    from dflash_train.eval.prompts import BadPromptRows, load_prompt_file
+    from dflash_train.eval.runner import default_eos_ids
+
+    started = time.perf_counter()
+    target, tokenizer = run.target, run.target.tokenizer
+    bad_rows = BadPromptRows(0)
+    files = [
+        load_prompt_file(
+            path, tokenizer, thinking=run.cfg.data.thinking, num_prompts=cfg.num_prompts, bad_rows=bad_rows
+        )
+        for path in cfg.prompts
+    ]
+    every = [(f, p) for f, loaded in enumerate(files) for p in loaded.prompts]
+    rank, world = group_rank_and_size(run)
+    mine = list(range(rank, len(every), world))
+    eos = default_eos_ids(target.model, tokenizer)
+    pad = pad_token_for(tokenizer, eos)
+    prompts = [every[i][1] for i in mine]
+    batch_size = cfg.batch_size or (32 if run.info.device.type == "cuda" else 8)
+    with untouched_training_state(run.info.device):
+        continuations = greedy_continuations(
+            target.model, prompts, max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos, pad_token_id=pad,
+            batch_size=batch_size,
+        )  # fmt: skip
+    heldout = HeldoutEval(
+        names=[Path(p).stem for p in cfg.prompts],
+        indices=mine,
+        file_of=[every[i][0] for i in mine],
+        prompts=prompts,
+        continuations=continuations,
+        eos_token_ids=eos,
+        pad_token_id=pad,
+    )
+    if cfg.ngram:
+        heldout.pending.update(ngram_metrics(run, heldout))
+    heldout.pending["time_eval_setup_s"] = time.perf_counter() - started
+    heldout.best_tau = previous_best_tau(run)
+    counts = ", ".join(f"{len(f.prompts)} from {f.path}" for f in files)
+    log_main(f"eval: {len(every)} held-out prompts ({counts}); greedy continuations generated once")
+    return heldout
+
+
+def evaluate(run, heldout: HeldoutEval) -> dict[str, Any]:
+    """Exact greedy tau of the current drafter on the held-out prompts (every rank must call);
+    writes ``export-best`` when ``eval_tau`` beats the best so far. Returns the metrics to log."""
+    from dflash_train.eval.exact import exact_generations
+
+    started = time.perf_counter()
+    cfg = run.cfg.eval
+    with untouched_training_state(run.info.device):
+        drafter = drafter_copy(run)
+        generations, _ = exact_generations(
+            run.target, drafter, heldout.prompts, heldout.continuations,
+            max_new_tokens=cfg.max_new_tokens, eos_token_ids=heldout.eos_token_ids, methods=("dflash",),
+            drafter_batch_tokens=cfg.drafter_batch_tokens, pad_token_id=heldout.pad_token_id,
+        )  # fmt: skip
+    ordered, file_of = gather_generations(run, heldout, generations["dflash"])
+    metrics, overall = acceptance_metrics(
+        "eval_tau", ordered, file_of, heldout.names, run.draft_config.block_size
+    )
+    metrics["eval_acc_by_pos"] = [float(x) for x in overall["per_position_acceptance"]]
+    tau = metrics["eval_tau"]
+    if tau > heldout.best_tau:  # the same numbers on every rank: the same decision
+        heldout.best_tau = tau
+        if run.info.is_main:
+            write_export_best(run, drafter, {"step": run.step, **metrics})
+    del drafter
+    if run.info.distributed:
+        dist.barrier(group=run.group)  # no rank runs ahead while rank 0 writes export-best
+    metrics["eval_tau_best"] = heldout.best_tau
+    metrics.update(heldout.pending)
+    heldout.pending = {}
+    metrics["time_eval_s"] = time.perf_counter() - started
+    return metrics
+
+
+# ----------------------------------------------------------------------------- pieces
+
+
+def group_rank_and_size(run) -> tuple[int, int]:
+    """This rank's place in the run's group (0 of 1 without torch.distributed)."""
+    if not run.info.distributed:
+        return 0, 1
+    return dist.get_rank(run.group), dist.get_world_size(run.group)
+
+
+@contextlib.contextmanager
+def untouched_training_state(device: torch.device):
+    """No grad, eager execution (compiled target regions would recompile for every eval shape and
+    could exhaust the cache the training shapes need), and the RNG streams restored afterwards."""
+    python_state = random.getstate()
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad(), torch.compiler.set_stance("force_eager"):
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+
+
+def drafter_copy(run) -> torch.nn.Module:
+    """A plain drafter in eval mode and the training dtype holding the current weights (FSDP2: the
+    full state gathered by every rank together; otherwise this rank's own replica)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from dflash_train.models.drafter import DFlashDrafter
+    from dflash_train.models.dtypes import DTYPES
+
+    if uses_fsdp(run.model):
+        options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+        state = get_model_state_dict(run.model, options=options)  # a collective: every rank is here
+    else:
+        state = unwrap(run.model).state_dict()
+    with torch.device(run.info.device):
+        drafter = DFlashDrafter(run.draft_config)
+    drafter.to(DTYPES[run.cfg.train.dtype]).load_state_dict(state)
+    del state
+    return drafter.eval().requires_grad_(False)
+
+
+def gather_generations(
+    run, heldout: HeldoutEval, local: list[Generation]
+) -> tuple[list[Generation], list[int]]:
+    """Every rank's generations in global prompt order, and the file of each."""
+    payload = list(zip(heldout.indices, heldout.file_of, local, strict=True))
+    if run.info.distributed:
+        parts: list[Any] = [None] * dist.get_world_size(run.group)
+        dist.all_gather_object(parts, payload, group=run.group)
+        payload = [item for part in parts for item in part]
+    payload.sort(key=lambda item: item[0])
+    return [g for _, _, g in payload], [f for _, f, _ in payload]
+
+
+def acceptance_metrics(
+    name: str, generations: list[Generation], file_of: list[int], files: list[str], block_size: int
+) -> tuple[dict[str, float], dict[str, Any]]:
+    """``{name: tau over every prompt, name/<file>: tau of that file}`` (NaN when no prompt had a
+    draft round) and the overall ``summarize_rounds``."""
+    overall = summarize_rounds(generations, block_size)
+    metrics = {name: nan_if_none(overall["tau"])}
+    for index, file_name in enumerate(files):
+        subset = [g for g, f in zip(generations, file_of, strict=True) if f == index]
+        metrics[f"{name}/{file_name}"] = nan_if_none(summarize_rounds(subset, block_size)["tau"])
+    return metrics, overall
+
+
+def nan_if_none(value: float | None) -> float:
+    return float("nan") if value is None else float(value)
+
+
+def ngram_metrics(run, heldout: HeldoutEval) -> dict[str, Any]:
+    """``eval_ngram_tau`` (and per file) of prompt-lookup drafting: a host simulation, no drafter."""
+    from dflash_train.eval.simulate import simulate_ngram
+
+    cfg, block_size = run.cfg.eval, run.draft_config.block_size
+    local = [
+        simulate_ngram(
+            prompt,
+            continuation,
+            n=cfg.ngram_n,
+            block_size=block_size,
+            max_new_tokens=cfg.max_new_tokens,
+            eos_token_ids=heldout.eos_token_ids,
+        )  # fmt: skip
+        for prompt, continuation in zip(heldout.prompts, heldout.continuations, strict=True)
+    ]
+    ordered, file_of = gather_generations(run, heldout, local)
+    metrics, _ = acceptance_metrics("eval_ngram_tau", ordered, file_of, heldout.names, block_size)
+    return metrics
+
+
+def previous_best_tau(run) -> float:
+    """The ``eval_tau`` of ``export-best`` left by this run before a resume; a run that starts at
+    step 0 replaces whatever an earlier run in the folder left (its first evaluation is the best)."""
+    best = recover_export_best(Path(run.cfg.output_dir))
+    if run.step == 0 or not (best / BEST_RECORD).is_file():
+        return -math.inf
+    record = json.loads((best / BEST_RECORD).read_text())
+    if record.get("step", math.inf) > run.step:
+        return -math.inf  # from steps this resumed run is about to redo: they will be evaluated again
+    return float(record["eval_tau"])
+
+
+def recover_export_best(output_dir: Path) -> Path:
+    """``export-best``, moved back from its ``.old`` copy if a writer died between the two renames."""
+    best, old = output_dir / BEST_DIR, output_dir / f".{BEST_DIR}.old"
+    if not best.exists() and old.exists():
+        old.rename(best)
+    return best
+
+
+def write_export_best(run, drafter: torch.nn.Module, record: dict[str, Any]) -> Path:
+    """The serving layout plus ``eval.json`` (step and metrics) written to a temporary folder, then
+    renamed over ``export-best``: a reader never sees a half-written export."""
+    from dflash_train.models.export import save_drafter
+    from dflash_train.train.logging import finite_or_null
+
+    output_dir = Path(run.cfg.output_dir)
+    best = recover_export_best(output_dir)
+    staging, old = output_dir / f".{BEST_DIR}.tmp", output_dir / f".{BEST_DIR}.old"
+    shutil.rmtree(staging, ignore_errors=True)
+    save_drafter(drafter, run.draft_config, staging, dtype=run.cfg.train.dtype, target=run.cfg.target.path)
+    (staging / BEST_RECORD).write_text(json.dumps(finite_or_null(record), indent=2) + "\n")
+    shutil.rmtree(old, ignore_errors=True)
+    if best.exists():
+        best.rename(old)
+    staging.rename(best)
+    shutil.rmtree(old, ignore_errors=True)
+    log_main(f"eval: step {run.step} eval_tau {record['eval_tau']:.3f} is the best so far -> {best}")
+    return best

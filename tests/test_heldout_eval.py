@@ -1,0 +1,222 @@
+"""Acceptance measured during training (``eval.*``): exact tau of the drafter on held-out prompts at
+the configured steps and at the end, per file, the n-gram baseline once, ``export-best`` holding the
+best step's drafter, the same training losses as without it, and two ranks (DDP, FSDP2) that agree."""
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_train.config import load_config
+from dflash_train.train.run import TrainHooks
+from tests.train_helpers import WORDS, logged_losses, spawn_ranks, tiny_config, tiny_overrides
+
+MAX_NEW_TOKENS = 24
+
+
+@pytest.fixture
+def task(train_task):
+    return train_task
+
+
+@pytest.fixture(scope="module")
+def prompt_files(tmp_path_factory):
+    """Two held-out files: repeat requests like the training task, and other chat requests."""
+    root = tmp_path_factory.mktemp("prompts")
+    repeat, chat = root / "repeat.jsonl", root / "chat.jsonl"
+    repeat.write_text(
+        "".join(json.dumps({"prompt": f"repeat: {WORDS[i]} {WORDS[i + 3]}"}) + "\n" for i in range(5))
+    )
+    chat.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": f"{WORDS[i]} the fox"}]}) + "\n"
+            for i in range(3)
+        )
+    )
+    return [str(repeat), str(chat)]
+
+
+def eval_overrides(prompt_files, every_steps=5):
+    return [
+        f"eval.prompts=[{','.join(prompt_files)}]",
+        f"eval.every_steps={every_steps}",
+        f"eval.max_new_tokens={MAX_NEW_TOKENS}",
+        "eval.batch_size=3",
+    ]
+
+
+def metric_rows(out_dir) -> list[dict]:
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def reference_tau(task, prompt_files, drafter_dir) -> dict[str, float]:
+    """Exact tau of an exported drafter, computed here from scratch: overall and per file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_train.eval.exact import exact_acceptance
+    from dflash_train.eval.generate import greedy_continuations, pad_token_for
+    from dflash_train.eval.prompts import load_prompts
+    from dflash_train.eval.runner import default_eos_ids
+    from dflash_train.models.export import load_drafter
+
+    model = AutoModelForCausalLM.from_pretrained(task["target"], dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(task["target"])
+    drafter, _ = load_drafter(drafter_dir, dtype=torch.float32)
+    eos = default_eos_ids(model, tokenizer)
+    pad = pad_token_for(tokenizer, eos)
+    taus = {}
+    every = []
+    for path in prompt_files:
+        prompts = load_prompts(path, tokenizer)
+        every += prompts
+        taus[f"eval_tau/{Path(path).stem}"] = prompts
+    for key, prompts in [*taus.items(), ("eval_tau", every)]:
+        continuations = greedy_continuations(
+            model, prompts, max_new_tokens=MAX_NEW_TOKENS, eos_token_ids=eos, pad_token_id=pad, batch_size=4
+        )
+        result = exact_acceptance(
+            model, drafter.eval(), prompts, continuations, max_new_tokens=MAX_NEW_TOKENS, eos_token_ids=eos,
+            pad_token_id=pad,
+        )  # fmt: skip
+        taus[key] = result["methods"]["dflash"]["tau"]
+    return taus
+
+
+@pytest.fixture(scope="module")
+def evaluated_run(train_task, prompt_files, tmp_path_factory):
+    """A 12-step run logging every 3 steps and evaluating every 5 (and at the end)."""
+    from dflash_train.train.trainer import train
+
+    out = tmp_path_factory.mktemp("eval_run") / "run"
+    cfg = tiny_config(train_task, out, "logging.every_steps=3", *eval_overrides(prompt_files))
+    rng_states: list = []
+    result = train(cfg, rng_recorder(rng_states))
+    return out, result, rng_states
+
+
+def rng_recorder(states: list) -> TrainHooks:
+    """Records the training run's RNG streams after every optimizer step."""
+    return TrainHooks(after_step=lambda run: states.append((torch.get_rng_state(), random.getstate())))
+
+
+def test_eval_runs_at_the_configured_steps_and_at_the_end(evaluated_run):
+    out, result, _ = evaluated_run
+    rows = metric_rows(out)
+    assert result["step"] == 12
+    evaluated = [r["step"] for r in rows if "eval_tau" in r]
+    assert evaluated == [5, 10, 12]
+    assert [r["step"] for r in rows] == [3, 5, 6, 9, 10, 12]  # eval steps get a row of their own
+    for row in rows:
+        if "eval_tau" not in row:
+            continue
+        assert 1.0 <= row["eval_tau"] <= 8.0  # block 8: at most 7 accepted + the bonus token
+        assert {"eval_tau/repeat", "eval_tau/chat", "eval_tau_best", "time_eval_s"} <= set(row)
+        assert len(row["eval_acc_by_pos"]) == 7 and row["time_eval_s"] > 0
+        assert all("loss" in r for r in rows)
+    ngram_rows = [r["step"] for r in rows if "eval_ngram_tau" in r]
+    assert ngram_rows == [5]  # once: the n-gram baseline does not train
+    assert {"eval_ngram_tau/repeat", "eval_ngram_tau/chat"} <= set(rows[1])
+
+
+def test_final_eval_tau_is_the_exact_tau_of_the_export(evaluated_run, task, prompt_files):
+    out, result, _ = evaluated_run
+    final = metric_rows(out)[-1]
+    reference = reference_tau(task, prompt_files, result["export"])
+    for key, tau in reference.items():
+        assert final[key] == pytest.approx(tau, abs=1e-9), key
+
+
+def test_export_best_is_the_best_step(evaluated_run, task, prompt_files):
+    out, _, _ = evaluated_run
+    evaluated = [r for r in metric_rows(out) if "eval_tau" in r]
+    best = max(evaluated, key=lambda r: r["eval_tau"])  # the first of equal maxima
+    record = json.loads((out / "export-best" / "eval.json").read_text())
+    assert record["step"] == best["step"] and record["eval_tau"] == best["eval_tau"]
+    assert evaluated[-1]["eval_tau_best"] == best["eval_tau"]
+    assert (out / "export").is_dir() and not (out / ".export-best.tmp").exists()
+    assert reference_tau(task, prompt_files, out / "export-best")["eval_tau"] == pytest.approx(
+        best["eval_tau"], abs=1e-9
+    )
+
+
+def test_eval_leaves_the_training_losses_unchanged(evaluated_run, task, tmp_path):
+    from dflash_train.train.trainer import train
+
+    out, _, rng_with_eval = evaluated_run
+    rng_without: list = []
+    train(tiny_config(task, tmp_path / "plain"), rng_recorder(rng_without))  # a row at every step
+    assert len(rng_with_eval) == len(rng_without) == 12
+    for (torch_with, python_with), (torch_without, python_without) in zip(rng_with_eval, rng_without):
+        assert torch.equal(torch_with, torch_without) and python_with == python_without
+    without = logged_losses(tmp_path / "plain")
+    with_eval = {r["step"]: r["loss_last"] for r in metric_rows(out)}  # "loss" is a window mean
+    assert len(with_eval) == 6
+    assert with_eval == {step: without[step] for step in with_eval}  # bit for bit, after evals too
+
+
+def test_eval_is_off_by_default(task):
+    cfg = tiny_config(task, "unused")
+    assert cfg.eval.prompts == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "match"),
+    [
+        (
+            ["train.placement=split", "train.target_ranks=1", "eval.prompts=[a.jsonl]"],
+            NotImplementedError,
+            "colocated",
+        ),
+        (["eval.prompts=[x/a.jsonl,y/a.jsonl]"], ValueError, "rename or merge"),
+        (["eval.prompts=[a.jsonl]", "eval.every_steps=-1"], ValueError, "eval.every_steps"),
+        (["eval.prompts=[a.jsonl]", "eval.max_new_tokens=1"], ValueError, "eval.max_new_tokens"),
+        (["eval.promts=[a.jsonl]"], ValueError, "did you mean 'eval.prompts'"),
+    ],
+)
+def test_eval_config_errors_say_what_to_change(task, overrides, error, match):
+    with pytest.raises(error, match=match):
+        load_config("tiny-cpu", tiny_overrides(task, "unused", *overrides))
+
+
+def test_a_missing_prompt_file_fails_at_the_start(task, tmp_path):
+    from dflash_train.train.trainer import train
+
+    cfg = tiny_config(task, tmp_path / "run", f"eval.prompts=[{tmp_path / 'nope.jsonl'}]")
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        train(cfg)
+    assert not (tmp_path / "run" / "checkpoints").exists()  # before any step
+
+
+# ----------------------------------------------------------------------------- two ranks
+
+
+def rank_worker(rank: int, port: int, task: dict, out_dir: str, extra: list) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
+    )
+    torch.set_num_threads(1)
+    from dflash_train.train.trainer import train
+
+    result = train(tiny_config(task, out_dir, *extra))
+    Path(out_dir, f"result{rank}.json").write_text(json.dumps(result))
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_ranks_evaluate_together(task, prompt_files, tmp_path, parallel):
+    from tests.test_train_distributed import free_port
+
+    out = tmp_path / "run"
+    extra = [f"train.parallel={parallel}", "train.max_steps=6", *eval_overrides(prompt_files, every_steps=3)]
+    spawn_ranks(rank_worker, (free_port(), task, str(out), extra), nprocs=2)
+    results = [json.loads((out / f"result{r}.json").read_text()) for r in range(2)]
+    assert [r["step"] for r in results] == [6, 6]
+    rows = metric_rows(out)
+    assert [r["step"] for r in rows if "eval_tau" in r] == [3, 6]
+    # The prompts were split over the ranks and gathered: the tau of all of them, of the final weights.
+    reference = reference_tau(task, prompt_files, results[0]["export"])
+    for key, tau in reference.items():
+        assert rows[-1][key] == pytest.approx(tau, abs=1e-9), key
+    assert json.loads((out / "export-best" / "eval.json").read_text())["step"] in (3, 6)
