@@ -40,7 +40,9 @@ def check_packed_equals_alone(target: FrozenTarget, device: str = "cpu", atol: f
     unpacked_row = target.features(ids)  # the same rows without packing: boundaries crossed
     crossed = False
     for row, start, conv in conversations:
-        alone, alone_final = target.features(torch.as_tensor(conv, device=device)[None], with_final_hidden=True)
+        alone, alone_final = target.features(
+            torch.as_tensor(conv, device=device)[None], with_final_hidden=True
+        )
         span = slice(start, start + len(conv))
         torch.testing.assert_close(packed[row, span], alone[0], atol=atol, rtol=1e-4)
         torch.testing.assert_close(packed_final[row, span], alone_final[0], atol=atol, rtol=1e-4)
