@@ -261,3 +261,23 @@ def test_block_masks_never_reach_another_conversation(spec):
     assert torch.equal(flex.full_kv_num_blocks, reference.full_kv_num_blocks)
     unbounded = dense_visible(spec, anchors, torch.zeros_like(context_start), context_len, block)
     assert not torch.equal(expected, unbounded)  # the bound hides context the plain rule shows
+
+
+def test_data_stats_reports_the_waste_of_both_modes(data_file, tmp_path, tiny_hybrid_dir, capsys):
+    from dflash_train.data.stats import run_data_stats
+
+    overrides = [
+        f"target.path={tiny_hybrid_dir}",
+        f"data.paths=[{data_file}]",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        f"data.seq_buckets={BUCKETS}".replace(" ", ""),
+        f"data.token_budget={BUDGET}",
+    ]
+    bucketed = run_data_stats("tiny-cpu", overrides)
+    packed = run_data_stats("tiny-cpu", [*overrides, "data.packing=true"])
+    assert "padding waste: buckets" in capsys.readouterr().out
+    assert not bucketed["packing"] and packed["packing"]
+    for result in (bucketed, packed):  # the same two numbers whichever mode the recipe uses
+        assert result["padding_waste_buckets"] == bucketed["padding_waste"]
+        assert result["padding_waste_packed"] == packed["padding_waste"]
+    assert packed["padding_waste"] < bucketed["padding_waste"] and packed["conversations_per_row"] > 1

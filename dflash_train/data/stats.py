@@ -2,14 +2,17 @@
 
 Tokenizes (or loads the cache of) the recipe's data with the target's tokenizer and reports rows,
 tokens, response tokens, the length histogram by bucket, padding waste and skips by reason.
+The padding waste is reported for both batching modes (length buckets and ``data.packing``), so
+the choice can be made before training (docs/data.md, "Packing").
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from dflash_train.config import RunConfig, load_config
-from dflash_train.data.loader import build_train_data, check_data_and_tokenizer
+from dflash_train.data.loader import TrainData, build_train_data, check_data_and_tokenizer
 
 
 def load_target_tokenizer(cfg: RunConfig):
@@ -39,6 +42,12 @@ def run_data_stats(recipe: str, overrides: list[str] | None = None) -> dict[str,
     print_histogram(stats.rows_per_bucket, stats.rows_per_batch, stats.batches_per_bucket)
     for reason, example in sorted(data.skips.examples.items()):
         print(f"skipped {reason}: {stats.skips.get(reason, 0)} (first: {example})")
+    waste = waste_by_mode(data)
+    print(
+        f"padding waste: buckets {waste['buckets']:.1%}, packing {waste['packing']:.1%} "
+        f"({waste['conversations_per_row']:.2f} conversations per packed row of {data.buckets[-1]}); "
+        f"this recipe uses {'packing' if data.pack is not None else 'buckets'}"
+    )
     result = {
         "rows": stats.num_rows,
         "tokens": stats.num_tokens,
@@ -46,10 +55,33 @@ def run_data_stats(recipe: str, overrides: list[str] | None = None) -> dict[str,
         "rows_per_bucket": stats.rows_per_bucket,
         "steps_per_epoch": stats.steps_per_epoch,
         "padding_waste": round(stats.padding_waste, 4),
+        "packing": data.pack is not None,
+        "padding_waste_buckets": round(waste["buckets"], 4),
+        "padding_waste_packed": round(waste["packing"], 4),
+        "conversations_per_row": round(waste["conversations_per_row"], 3),
         "skips": stats.skips,
         "cache": str(data.tokenized.directory),
     }
     return result
+
+
+def waste_by_mode(data: TrainData) -> dict[str, float]:
+    """Padding waste of ``data``'s rows with length buckets and with packing (same tokens, one rank)."""
+    packing = not data.cfg.packing
+    other = TrainData(
+        data.tokenized,
+        replace(data.cfg, packing=packing),
+        seed=data.seed,
+        rank=0,
+        world_size=1,
+        pad_id=data.pad_id,
+    )
+    packed, bucketed = (other, data) if packing else (data, other)
+    return {
+        "buckets": bucketed.stats.padding_waste,
+        "packing": packed.stats.padding_waste,
+        "conversations_per_row": packed.stats.conversations_per_row,
+    }
 
 
 def print_histogram(rows: dict[int, int], rows_per_batch: dict[int, int], batches: dict[int, int]) -> None:
