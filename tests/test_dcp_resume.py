@@ -1,0 +1,145 @@
+"""Sharded (DCP) checkpoints across ranks on CPU (gloo, FSDP2): a SIGKILL of one of two ranks in the
+middle of a save leaves the previous checkpoint, which resumes bit for bit; a 2-rank checkpoint
+resumes on 1 and on 3 ranks with exactly the losses of the same state loaded unsharded."""
+
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dflash_train.train import checkpoint as ckpt
+from dflash_train.train.trainer import train
+from tests.test_train_distributed import free_port
+from tests.train_helpers import spawn_ranks, tiny_config
+
+FSDP = ["train.parallel=fsdp", "checkpoint.every_steps=4"]
+
+
+@pytest.fixture
+def task(train_task):
+    return train_task
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the spawned ranks run with one thread too: same kernels, same bits
+    yield
+    torch.set_num_threads(threads)
+
+
+def rows(out_dir) -> list[dict]:
+    path = Path(out_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def worker(rank: int, world: int, port: int, task: dict, runs: list, extra: list, die_at: int):
+    """One rank: train each output dir of ``runs`` in turn; rank 1 dies mid-save of step ``die_at``."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    if rank == 1 and die_at:
+        real_writer = ckpt._storage_writer
+
+        def writer_that_dies(path):
+            writer = real_writer(path)
+            write_data = writer.write_data
+
+            def write_then_die(plan, planner):
+                written = write_data(plan, planner)
+                written.wait()  # this rank's shard is on disk; the coordinator has not heard back
+                if f"step-{die_at:08d}" in str(path):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return written
+
+            writer.write_data = write_then_die
+            return writer
+
+        ckpt._storage_writer = writer_that_dies
+    for out_dir in runs:
+        train(tiny_config(task, out_dir, *extra))
+
+
+def launch(task, world: int, runs: list, extra: list, die_at: int = 0) -> None:
+    spawn_ranks(worker, (world, free_port(), task, [str(r) for r in runs], extra, die_at), nprocs=world)
+
+
+def test_sigkill_of_one_rank_mid_save_keeps_the_previous_checkpoint(task, tmp_path):
+    out = tmp_path / "run"
+    extra = [*FSDP, "train.max_steps=8"]
+    with pytest.raises(Exception, match="signal|exit"):  # torch.multiprocessing reports the killed rank
+        launch(task, 2, [out], extra, die_at=8)
+    staged = ckpt.staging_folder(out, 8)
+    assert (staged / "model_optim" / "__1_0.distcp").is_file()  # rank 1 had written its shard
+    assert not (staged / ckpt.COMMIT_MARKER).exists() and not ckpt.step_folder(out, 8).exists()
+    assert ckpt.latest_checkpoint(out).name == "step-00000004"
+    first = rows(out)
+    assert [r["step"] for r in first] == list(range(1, 9))  # steps 5-8 ran before the save died
+    launch(task, 2, [out], extra)
+    resumed = rows(out)[len(first) :]
+    assert [r["step"] for r in resumed] == [5, 6, 7, 8]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in first[4:]]  # bit for bit
+    assert ckpt.latest_checkpoint(out).name == "step-00000008"
+
+
+@pytest.fixture(scope="module")
+def two_rank_checkpoint(train_task, tmp_path_factory):
+    """Step 4 of a 2-rank FSDP2 run, sharded, and the same state in the older single-file layout."""
+    out = tmp_path_factory.mktemp("two_ranks") / "run"
+    launch(train_task, 2, [out], [*FSDP, "train.max_steps=6"])  # saves steps 4 and 6
+    sharded = ckpt.step_folder(out, 4)
+    assert {p.name for p in (sharded / "model_optim").glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}
+    return sharded, single_file_copy(sharded, out.parent / "single-file")
+
+
+def single_file_copy(sharded: Path, folder: Path) -> Path:
+    """The checkpoint in the older layout, read through DCP's own converter (not the trainer's load)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    folder.mkdir()
+    dcp_to_torch_save(sharded / "model_optim", folder / "full.pt")
+    full = torch.load(folder / "full.pt", weights_only=False)
+    save_file({k: v.contiguous() for k, v in full["model"].items()}, str(folder / "drafter.safetensors"))
+    state = torch.load(sharded / "state.pt", weights_only=False)
+    torch.save({**state, "optimizer": full["optim"]}, folder / "state.pt")
+    for name in ("drafter_config.json", "config.yaml", ckpt.COMMIT_MARKER):
+        shutil.copy(sharded / name, folder / name)
+    (folder / "full.pt").unlink()
+    return folder
+
+
+def fresh_run_from(checkpoint: Path, out: Path) -> Path:
+    """A new output_dir whose only checkpoint is a copy of ``checkpoint`` (as step 4)."""
+    shutil.copytree(checkpoint, ckpt.step_folder(out, 4))
+    return out
+
+
+def test_two_rank_checkpoint_resumes_on_one_rank(task, two_rank_checkpoint, tmp_path, capsys):
+    sharded, single_file = two_rank_checkpoint
+    results = []
+    for name, source in (("sharded", sharded), ("single", single_file)):
+        out = fresh_run_from(source, tmp_path / name)
+        train(tiny_config(task, out, *FSDP, "train.max_steps=6"))
+        results.append(rows(out))
+    assert [r["step"] for r in results[0]] == [5, 6]
+    assert [r["loss"] for r in results[0]] == [r["loss"] for r in results[1]]
+    assert "resuming a 2-rank checkpoint on 1 ranks: data position" in capsys.readouterr().out
+
+
+def test_two_rank_checkpoint_resumes_on_three_ranks(task, two_rank_checkpoint, tmp_path):
+    sharded, single_file = two_rank_checkpoint
+    outs = [fresh_run_from(sharded, tmp_path / "sharded"), fresh_run_from(single_file, tmp_path / "single")]
+    launch(task, 3, outs, [*FSDP, "train.max_steps=6"])
+    dcp_rows, reference = rows(outs[0]), rows(outs[1])
+    assert [r["step"] for r in dcp_rows] == [5, 6]
+    assert [r["loss"] for r in dcp_rows] == [r["loss"] for r in reference]
