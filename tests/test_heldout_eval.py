@@ -198,10 +198,17 @@ def rank_worker(rank: int, port: int, task: dict, out_dir: str, extra: list) -> 
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
     )
     torch.set_num_threads(1)
+    from dflash_train.train.heldout_eval import drafter_copy
     from dflash_train.train.trainer import train
 
-    result = train(tiny_config(task, out_dir, *extra))
-    Path(out_dir, f"result{rank}.json").write_text(json.dumps(result))
+    sums = {}
+
+    def record_eval_weights(run):  # every rank: under FSDP2 the copy's gather is a collective
+        if run.step == run.total_steps:
+            sums.update({n: float(t.double().sum()) for n, t in drafter_copy(run).state_dict().items()})
+
+    result = train(tiny_config(task, out_dir, *extra), TrainHooks(after_step=record_eval_weights))
+    Path(out_dir, f"result{rank}.json").write_text(json.dumps({**result, "weight_sums": sums}))
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
@@ -213,6 +220,12 @@ def test_two_ranks_evaluate_together(task, prompt_files, tmp_path, parallel):
     spawn_ranks(rank_worker, (free_port(), task, str(out), extra), nprocs=2)
     results = [json.loads((out / f"result{r}.json").read_text()) for r in range(2)]
     assert [r["step"] for r in results] == [6, 6]
+    # Each rank evaluates its prompts with the full weights (FSDP2: gathered), the final export's.
+    from safetensors.torch import load_file
+
+    exported = load_file(Path(results[0]["export"]) / "model.safetensors")
+    expected = {n: float(t.double().sum()) for n, t in exported.items()}
+    assert results[0]["weight_sums"] == results[1]["weight_sums"] == pytest.approx(expected, rel=1e-12)
     rows = metric_rows(out)
     assert [r["step"] for r in rows if "eval_tau" in r] == [3, 6]
     # The prompts were split over the ranks and gathered: the tau of all of them, of the final weights.
