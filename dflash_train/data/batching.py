@@ -194,16 +194,6 @@ def assemble_packed_batch(
     )
 
 
-def segment_bounds(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
-    """Per row, the [start, end) of every segment (conversation or padding tail): host-side."""
-    starts = (position_ids == 0).cpu()
-    bounds = []
-    for row in starts:
-        first = torch.nonzero(row).flatten().tolist()
-        bounds.append(list(zip(first, first[1:] + [row.numel()])))
-    return bounds
-
-
 def same_segment(position_ids: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
     """[R, A, B-1] bool: whether a + k (k = 1..B-1) is in the same conversation as anchor a.
 

@@ -240,8 +240,6 @@ def per_conversation_features(
     target: FrozenTarget, input_ids: torch.Tensor, position_ids: torch.Tensor, *, with_final_hidden: bool
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Every conversation (and padding tail) of every row through the decoder alone (reference path)."""
-    from dflash_train.data.batching import segment_bounds
-
     outputs: list[torch.Tensor] | None = None
     for row, bounds in enumerate(segment_bounds(position_ids)):
         for start, end in bounds:
@@ -253,6 +251,16 @@ def per_conversation_features(
             for full, part in zip(outputs, parts):
                 full[row, start:end] = part[0]
     return tuple(outputs) if with_final_hidden else outputs[0]
+
+
+def segment_bounds(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per row, the [start, end) of every segment (conversation or padding tail): host-side."""
+    starts = (position_ids == 0).cpu()
+    bounds = []
+    for row in starts:
+        first = torch.nonzero(row).flatten().tolist()
+        bounds.append(list(zip(first, first[1:] + [row.numel()])))
+    return bounds
 
 
 def check_layer_ids(target_layer_ids: list[int], num_layers: int) -> list[int]:
