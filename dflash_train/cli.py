@@ -68,6 +68,7 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
         decode_prompts=args.decode_prompts,
         dtype=args.dtype,
         batch_size=args.batch_size,
+        drafter_batch_tokens=args.drafter_batch_tokens,
         max_bad_rows=args.max_bad_rows,
         output_dir=args.output_dir,
         progress=not args.no_progress,
@@ -176,7 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
     p.add_argument(
-        "--batch-size", type=int, default=0, help="prompts per batched pass (0 = 32 on GPU, 8 on CPU)"
+        "--batch-size", type=int, default=0, help="prompts per batched generation (0 = 32 on GPU, 8 on CPU)"
+    )
+    p.add_argument(
+        "--drafter-batch-tokens",
+        type=int,
+        default=65536,
+        help="exact mode: block tokens (anchors x block size) per feature + drafter pass",
     )
     p.add_argument("--max-bad-rows", type=int, default=0, help="skip up to N bad prompt rows")
     p.add_argument("--output-dir", default="", help="write eval.json and acceptance.png here")
@@ -222,6 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--drafter-only", action="store_true", help="time the drafter step alone on random features"
+    )
+    p.add_argument(
+        "--lengths",
+        default="",
+        help="FILE (JSONL of {'length': N}) or DIST (short-chat, mixed-chat, long-chat): time length "
+        "buckets against data.packing on that distribution, reporting real tokens/s and padding waste",
     )
     p.add_argument("--device", default="auto")
 

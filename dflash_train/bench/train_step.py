@@ -5,6 +5,7 @@ feeds fixed-shape synthetic rows (random ids, a 10% prompt then response tokens)
 steps, then times full optimizer steps (target forward + drafter forward/backward + one-pass
 LM-head loss + AdamW) with the same ``train_step`` the trainer uses. Reports target tokens/s,
 the step-time split, MFU against the measured 798 TFLOP/s bf16 peak of an H200, and peak memory.
+``--lengths`` times buckets against packing on a real length distribution (``bench/lengths.py``).
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ class BenchOptions:
     loss: str = "ce"
     # Time the drafter step alone on fixed features.
     drafter_only: bool = False
+    # A length distribution (a JSONL of lengths, or a name in bench.lengths.LENGTH_DISTRIBUTIONS):
+    # time buckets and packing on it instead of fixed full rows ("" = fixed rows).
+    lengths: str = ""
     device: str = "auto"
 
     def __post_init__(self) -> None:
@@ -64,6 +68,8 @@ class BenchOptions:
             raise ValueError(f"--attention-backend {self.attention_backend!r}: use auto, flex or sdpa")
         if min(self.rows, self.steps) < 1 or min(self.warmup, self.seq_len, self.num_anchors) < 0:
             raise ValueError("--rows and --steps must be >= 1; --warmup, --seq-len, --num-anchors >= 0")
+        if self.lengths and self.drafter_only:
+            raise ValueError("--lengths times the full step on real data shapes; drop --drafter-only")
 
 
 @dataclass
@@ -143,6 +149,19 @@ def run_bench(args: BenchOptions) -> dict[str, Any]:
     """Build the bench run, time ``args.steps`` full train steps after ``args.warmup`` warm-up steps."""
     cfg, seq_len, anchors = bench_config(args)
     use_expandable_segments()  # the allocator configuration training uses
+    if args.lengths:
+        from dflash_train.bench.lengths import run_length_bench
+
+        device = pick_device(args.device)
+        return {
+            "preset": args.preset,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "seq_len": seq_len,
+            "rows": args.rows,
+            "num_anchors": anchors,
+            **run_length_bench(args, cfg, seq_len, device),
+            "torch": torch.__version__,
+        }
     run = build_bench_run(cfg, args.rows, seq_len, pick_device(args.device), drafter_only=args.drafter_only)
     result = time_train_steps(run, args.steps, args.warmup)
     if args.profile:

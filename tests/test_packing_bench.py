@@ -1,0 +1,52 @@
+"""``dflash-train bench --lengths``: buckets against packing on a length distribution."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from dflash_train.bench.lengths import LENGTH_DISTRIBUTIONS, load_lengths
+from dflash_train.cli import main
+
+
+def test_named_distributions_are_seeded_and_clipped():
+    for name in LENGTH_DISTRIBUTIONS:
+        lengths, responses, _ = load_lengths(name, 4096)
+        again, _, _ = load_lengths(name, 4096)
+        assert np.array_equal(lengths, again) and lengths.max() <= 4096 and lengths.min() >= 8
+        assert (responses < lengths).all() and (responses >= 2).all()
+    short, _, _ = load_lengths("short-chat", 4096)
+    assert np.median(short) < 512  # most of a short-chat mix fits well under the smallest bucket
+
+
+def test_length_file_errors_name_file_and_line(tmp_path):
+    path = tmp_path / "lengths.jsonl"
+    path.write_text('{"length": 12, "response_tokens": 5}\n40\n{"tokens": 3}\n')
+    with pytest.raises(ValueError, match=r"lengths.jsonl:3: expected an integer or an object with 'length'"):
+        load_lengths(str(path), 256)
+    with pytest.raises(ValueError, match="not a file nor one of"):
+        load_lengths(str(tmp_path / "missing.jsonl"), 256)
+    path.write_text('{"length": 12, "response_tokens": 5}\n{"num_tokens": 40}\n')
+    lengths, responses, _ = load_lengths(str(path), 256)
+    assert lengths.tolist() == [12, 40] and responses.tolist() == [8, 28]  # one row lacks a count: 30% prompt
+
+
+def test_tiny_length_bench_compares_buckets_and_packing(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    path = tmp_path / "lengths.jsonl"
+    path.write_text("".join(json.dumps({"length": int(n)}) + "\n" for n in rng.integers(12, 90, size=48)))
+    args = ["bench", "--preset", "tiny", "--lengths", str(path), "--steps", "2", "--warmup", "0", "--json"]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    buckets, packing = result["modes"]["buckets"], result["modes"]["packing"]
+    assert result["conversations"] == 48 and result["buckets"] == [64, 128, 256]
+    assert packing["padding_waste_epoch"] < buckets["padding_waste_epoch"]
+    assert (
+        packing["conversations_per_row"] > 2 and buckets["batch_shapes"] >= 1 and packing["batch_shapes"] == 1
+    )
+    for mode in (buckets, packing):
+        assert mode["real_tokens_per_s"] > 0 and 0 <= mode["padding_waste_timed"] < 1
+        assert mode["real_tokens_per_s"] <= mode["batch_tokens_per_s"]
+    assert result["packing_speedup"] > 0
