@@ -42,9 +42,9 @@ class EvalOptions:
     decode_prompts: int = 0
     # Target and drafter dtype; auto = bfloat16 on GPU, float32 on CPU.
     dtype: str = "auto"
-    # Prompts per batched generation / feature pass; 0 = 32 on GPU, 8 on CPU.
+    # Prompts per batched greedy generation; 0 = 32 on GPU, 8 on CPU.
     batch_size: int = 0
-    # Block tokens per batched drafter pass (anchors x block size, summed over rows).
+    # Block tokens (anchors x block size, summed over rows) per feature + drafter pass.
     drafter_batch_tokens: int = 65536
     # Bad prompt rows skipped (and counted) before the run stops with file:line.
     max_bad_rows: int = 0
