@@ -184,7 +184,10 @@ def load_eval_target(path: str, dtype: torch.dtype, device: torch.device, allow_
         raise ValueError(f"target {path!r} has no tokenizer: eval needs one to encode the prompts")
     if device.type == "cuda":
         bind_fla_causal_conv(target_model, device)
-        check_fast_kernels(target_model, device, allow_slow_kernels)
+        try:
+            check_fast_kernels(target_model, device, allow_slow_kernels)
+        except RuntimeError as err:  # the guard's own refusal: name eval's switch, exit as a usage error
+            raise ValueError(f"{err} For eval: --allow-slow-kernels.") from None
     return target_model.eval(), tokenizer
 
 
