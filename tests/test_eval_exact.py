@@ -246,3 +246,21 @@ def test_exact_generations_simulate_ngram_without_a_drafter_pass(setup, tokenize
     )
     assert timings["features"] == 0.0 and timings["drafter"] == 0.0
     assert [g.tokens for g in generations["ngram"]] == [list(c) for c in continuations]
+
+
+def test_padding_with_eos_gives_the_same_continuations(setup, tokenizer):
+    """Pad-less tokenizers pad with EOS under the attention mask: the pad id must not matter."""
+    from dflash_train.eval.generate import pad_token_for
+
+    _, model, prompts, continuations, _ = setup
+    eos = {tokenizer.eos_token_id}
+
+    class PadLess:
+        pad_token_id = None
+
+    pad = pad_token_for(PadLess(), eos)
+    assert pad == tokenizer.eos_token_id
+    again = greedy_continuations(
+        model, prompts, max_new_tokens=MAX_NEW, eos_token_ids=eos, pad_token_id=pad, batch_size=4
+    )
+    assert again == continuations
