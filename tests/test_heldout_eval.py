@@ -5,6 +5,7 @@ best step's drafter, the same training losses as without it, and two ranks (DDP,
 import json
 import os
 import random
+import signal
 from pathlib import Path
 
 import pytest
@@ -233,3 +234,23 @@ def test_two_ranks_evaluate_together(task, prompt_files, tmp_path, parallel):
     for key, tau in reference.items():
         assert rows[-1][key] == pytest.approx(tau, abs=1e-9), key
     assert json.loads((out / "export-best" / "eval.json").read_text())["step"] in (3, 6)
+
+
+def test_a_resumed_run_keeps_the_best_export_of_its_first_part(task, prompt_files, tmp_path):
+    from dflash_train.train.trainer import train
+
+    out = tmp_path / "run"
+
+    def sigterm_during_step_7(run):
+        if run.step == 6:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    overrides = ["logging.every_steps=3", *eval_overrides(prompt_files)]
+    first = train(tiny_config(task, out, *overrides), TrainHooks(after_backward=sigterm_during_step_7))
+    assert first["step"] == 7 and json.loads((out / "export-best" / "eval.json").read_text())["step"] == 5
+    train(tiny_config(task, out, *overrides))
+    evaluated = [r for r in metric_rows(out) if "eval_tau" in r]
+    assert [r["step"] for r in evaluated] == [5, 10, 12]
+    best = max(evaluated, key=lambda r: r["eval_tau"])  # the first of equal maxima
+    assert json.loads((out / "export-best" / "eval.json").read_text())["step"] == best["step"]
+    assert evaluated[-1]["eval_tau_best"] == best["eval_tau"]
