@@ -80,9 +80,11 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
+    from dflash_train.bench.lengths import run_lengths_bench
     from dflash_train.bench.train_step import BenchOptions, run_bench
 
-    return run_bench(options_from_args(BenchOptions, args))
+    options = options_from_args(BenchOptions, args)
+    return run_lengths_bench(options) if options.lengths else run_bench(options)
 
 
 def cmd_regen(args: argparse.Namespace) -> dict[str, Any]:

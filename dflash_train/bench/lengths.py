@@ -21,9 +21,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from dflash_train.bench.train_step import BenchOptions, bench_config, build_bench_run, time_train_steps
 from dflash_train.data.cache import TokenizedData
 from dflash_train.data.loader import TrainData
 from dflash_train.data.skips import SkipCounts
+from dflash_train.train.parallel import pick_device, use_expandable_segments
 
 # Named synthetic shapes (log-normal token counts, seeded): NOT measured datasets. "short-chat" is
 # the single-turn mix the real-target run saw (nearly everything under ~1K tokens).
@@ -131,10 +133,24 @@ def bucket_lengths(seq_len: int) -> list[int]:
     return sorted({max(seq_len // 4, 8), max(seq_len // 2, 8), seq_len})
 
 
+def run_lengths_bench(args: BenchOptions) -> dict[str, Any]:
+    """``dflash-train bench --lengths``: buckets against packing on ``args.lengths`` at the preset shape."""
+    cfg, seq_len, anchors = bench_config(args)
+    use_expandable_segments()  # the allocator configuration training uses
+    device = pick_device(args.device)
+    return {
+        "preset": args.preset,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "seq_len": seq_len,
+        "rows": args.rows,
+        "num_anchors": anchors,
+        **run_length_bench(args, cfg, seq_len, device),
+        "torch": torch.__version__,
+    }
+
+
 def run_length_bench(args, cfg, seq_len: int, device: torch.device) -> dict[str, Any]:
     """Time ``args.steps`` optimizer steps per mode (after warm-up) on ``args.lengths``."""
-    from dflash_train.bench.train_step import build_bench_run, time_train_steps
-
     lengths, responses, description = load_lengths(args.lengths, seq_len)
     data_cfg = replace(cfg.data, seq_buckets=bucket_lengths(seq_len), token_budget=seq_len * args.rows)
     modes, target = {}, None

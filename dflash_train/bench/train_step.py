@@ -147,21 +147,12 @@ def bench_config(args: BenchOptions):
 
 def run_bench(args: BenchOptions) -> dict[str, Any]:
     """Build the bench run, time ``args.steps`` full train steps after ``args.warmup`` warm-up steps."""
+    if args.lengths:
+        raise ValueError(
+            "run_bench times fixed-shape rows; --lengths is bench.lengths.run_lengths_bench (the CLI picks it)"
+        )
     cfg, seq_len, anchors = bench_config(args)
     use_expandable_segments()  # the allocator configuration training uses
-    if args.lengths:
-        from dflash_train.bench.lengths import run_length_bench
-
-        device = pick_device(args.device)
-        return {
-            "preset": args.preset,
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "seq_len": seq_len,
-            "rows": args.rows,
-            "num_anchors": anchors,
-            **run_length_bench(args, cfg, seq_len, device),
-            "torch": torch.__version__,
-        }
     run = build_bench_run(cfg, args.rows, seq_len, pick_device(args.device), drafter_only=args.drafter_only)
     result = time_train_steps(run, args.steps, args.warmup)
     if args.profile:

@@ -19,7 +19,6 @@ rows that keep failing go to ``OUTPUT.failed.jsonl`` with their reason, rewritte
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -28,15 +27,21 @@ from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from itertools import islice
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from dflash_train.data.readers import ChatRow, expand_paths, iter_chat_rows
+from dflash_train.data.regen_turns import (
+    THINKING,
+    Reply,
+    advance_to_reply,
+    assistant_message,
+    row_key,
+    turn_key,
+)
 from dflash_train.data.sampling import Sampling, load_generator, resolve_device, sample_batch
 from dflash_train.data.skips import SkipCounts
 from dflash_train.data.special_tokens import end_of_turn_id, pad_id, resolve_eos_ids
 from dflash_train.data.tokenize import template_kwargs
-
-THINKING = {"on": True, "off": False, "default": None}
 
 
 @dataclass(kw_only=True)
@@ -74,15 +79,6 @@ class RegenOptions:
         if self.batch_size < 1 or self.max_new_tokens < 1 or self.concurrency < 1 or self.retries < 0:
             raise ValueError("--batch-size, --max-new-tokens and --concurrency must be >= 1, --retries >= 0")
         Sampling(temperature=self.temperature, top_p=self.top_p)  # validates both
-
-
-class Reply(NamedTuple):
-    """One generated turn: its text, whether it ended on a stop token, and an error (endpoint only)."""
-
-    text: str
-    finished: bool
-    error: str | None = None
-    reasoning: str | None = None
 
 
 def run_regen(opts: RegenOptions) -> dict[str, Any]:
@@ -152,11 +148,6 @@ def write_results(results, opts: RegenOptions, engine_name: str, out, failed, co
 # ----------------------------------------------------------------------------- resume
 
 
-def row_key(row: ChatRow) -> str:
-    digest = hashlib.sha1(json.dumps(row.messages, sort_keys=True).encode()).hexdigest()[:12]
-    return f"{Path(row.source).name}:{row.line}:{digest}"
-
-
 def read_done_keys(output: Path) -> set[str]:
     """Keys of rows already in ``output``; a torn last line (crash mid-write) is cut off."""
     if not output.is_file():
@@ -222,45 +213,6 @@ def regenerate(engine, rows: list[ChatRow]) -> list[tuple[ChatRow, list[dict], l
             finished[i].append(reply.finished)
             cursors[i] += 1  # past the original assistant turn (or the end of a prompt-only row)
     return [(row, conv, fin, None) for row, conv, fin in zip(rows, conversations, finished)]
-
-
-def regenerate_row(complete, row: ChatRow) -> tuple[ChatRow, list[dict], list[bool], str | None]:
-    """One row's turns in sequence through ``complete(conversation, key) -> Reply``; stops at an error."""
-    conversation: list[dict] = []
-    cursors, finished = [0], []
-    while advance_to_reply(row, conversation, cursors, 0):
-        reply = complete(conversation, turn_key(row, len(finished)))
-        if reply.error:
-            return row, conversation, finished, f"assistant turn {len(finished)}: {reply.error}"
-        conversation.append(assistant_message(reply))
-        finished.append(reply.finished)
-        cursors[0] += 1
-    return row, conversation, finished, None
-
-
-def assistant_message(reply: Reply) -> dict:
-    message = {"role": "assistant", "content": reply.text}
-    if reply.reasoning:
-        message["reasoning_content"] = reply.reasoning  # a server's reasoning parser split it off
-    return message
-
-
-def turn_key(row: ChatRow, turn: int) -> int:
-    """A stable 62-bit integer per (row, assistant turn) that seeds that reply's sampling."""
-    digest = hashlib.sha1(f"{row_key(row)}#{turn}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 2
-
-
-def advance_to_reply(row: ChatRow, conversation: list[dict], cursors: list[int], i: int) -> bool:
-    """Copy non-assistant turns; True when the row needs a generated reply next."""
-    messages = row.messages
-    while cursors[i] < len(messages) and messages[cursors[i]]["role"] != "assistant":
-        conversation.append(messages[cursors[i]])
-        cursors[i] += 1
-    if cursors[i] < len(messages):
-        return True
-    prompt_only = not any(m["role"] == "assistant" for m in messages)
-    return prompt_only and cursors[i] == len(messages)  # one past the end once its reply exists
 
 
 def build_engine(opts: RegenOptions):
