@@ -219,3 +219,25 @@ def test_eval_options_refuse_bad_values_with_a_remedy():
         EvalOptions(**base, max_new_tokens=0)
     with pytest.raises(ValueError, match="DDTree is greedy only"):
         EvalOptions(**base, ddtree_budget=4, temperature=0.7, tau_mode="decode")
+
+
+def test_exact_mode_reports_hybrid_ddtree_and_skips_only_its_real_decoding(tiny_hybrid_dir, tmp_path, capsys):
+    from dflash_train.cli import main
+    from dflash_train.models.export import save_drafter
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_hybrid_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_hybrid_dir)
+    drafter, config = make_drafter(model, tokenizer)
+    save_drafter(drafter, config, tmp_path / "drafter", dtype="float32")
+    prompts = write_rows(tmp_path / "p.jsonl", [{"prompt": "def add(a, b):"}, {"prompt": "class Point:"}])
+    args = ["eval", "--target", str(tiny_hybrid_dir), "--drafter", str(tmp_path / "drafter"), "--prompts", prompts,
+            "--max-new-tokens", "9", "--ddtree-budget", "6", "--decode-prompts", "1", "--device", "cpu",
+            "--no-progress", "--json"]  # fmt: skip
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out.strip().splitlines()[-1])
+    assert 1.0 <= result["ddtree_tau"] <= BLOCK
+    assert result["methods"]["ddtree"]["lossless"] is None and result["methods"]["dflash"]["lossless"] is True
+    assert "DDTree is not decoded for real on GatedDeltaNet targets" in captured.err
+    assert main([*args, "--tau-mode", "decode"]) == 1  # real tree decoding still refuses hybrids, clearly
+    assert "not supported for GatedDeltaNet targets" in capsys.readouterr().err

@@ -9,6 +9,7 @@ overall (``eval/report.py``).
 
 from __future__ import annotations
 
+import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -79,12 +80,13 @@ def measure(
     decode_report = None
     if decoded:
         started = time.perf_counter()
+        methods = decoded_methods(target_model, options)
         decode_report = evaluate(
             target_model, tokenizer, drafter, [prompts[i] for i in decoded],
-            max_new_tokens=options.max_new_tokens, temperature=options.temperature, methods=options.methods,
+            max_new_tokens=options.max_new_tokens, temperature=options.temperature, methods=methods,
             ngram_n=options.ngram_n, ddtree_budget=options.ddtree_budget, ddtree_topk=options.ddtree_topk,
             eos_token_ids=eos, seed=options.seed,
-            on_prompt=bars.decode_callback(len(decoded), options.methods),
+            on_prompt=bars.decode_callback(len(decoded), methods),
         )  # fmt: skip
         timings["decode"] = time.perf_counter() - started
         if not generations:
@@ -99,6 +101,23 @@ def measure(
         "verdict": verdict(divergences, len(decoded), options.temperature),
         "timings": timings,
     }
+
+
+def decoded_methods(target_model, options: EvalOptions) -> list[str]:
+    """The methods decoded for real. Exact mode reports DDTree tau for GatedDeltaNet targets, but
+    real tree decoding cannot run on them (one recurrent state, many branches): its lossless check
+    is skipped there, with a note. Decode mode keeps it and so raises the clear refusal."""
+    from dflash_train.eval.target_session import decoder_layers
+
+    hybrid = any(hasattr(layer, "linear_attn") for layer in decoder_layers(target_model))
+    if options.resolved_tau_mode == "exact" and hybrid and "ddtree" in options.methods:
+        print(
+            "eval: DDTree is not decoded for real on GatedDeltaNet targets (no per-branch state): "
+            "its tau is exact-mode only, its lossless check is skipped",
+            file=sys.stderr,
+        )
+        return [m for m in options.methods if m != "ddtree"]
+    return list(options.methods)
 
 
 def exact_mode(

@@ -87,6 +87,8 @@ def load_prompt_file(
 ) -> PromptFile:
     """Token ids of the first ``num_prompts`` (0 = all) usable prompts of a JSONL file."""
     bad_rows = bad_rows or BadPromptRows(0)
+    if not Path(path).is_file():
+        raise ValueError(f"prompts file {path} does not exist: give JSONL files to --prompts")
     result = PromptFile(path=str(path), prompts=[])
     for line_number, row, error in read_jsonl_rows(path):
         where = f"{path}:{line_number}"

@@ -95,7 +95,7 @@ def group_numbers(
         numbers = summarize_rounds([generations[i] for i in indices], block_size)
         numbers.pop("per_request_tau")
         numbers.update({"lossless": None, "tokens_per_s": None, "speedup": None})
-        if decoded:
+        if decoded and name in report["generations"]:
             decoded_gens = [report["generations"][name][j] for j in decoded]
             decode = summarize(decoded_gens, references, temperature, block_size)
             numbers.update(
