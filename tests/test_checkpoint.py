@@ -123,3 +123,38 @@ def test_state_shape_mismatch_becomes_a_value_error(tmp_path):
     with pytest.raises(ValueError, match=r"not in the model: \['extra'\]"):
         state = {"weight": torch.zeros(3, 4), "extra": torch.zeros(1)}
         ckpt.load_model_state(model, state, optimizer, {}, tmp_path)
+
+
+def test_export_reads_a_sharded_checkpoint_on_one_process(tmp_path):
+    """``dflash-train export`` of a DCP checkpoint: the serving tensors equal the trained drafter's."""
+    from dflash_train.config import DrafterConfig
+    from dflash_train.models import presets
+    from dflash_train.models.drafter import DFlashDrafter
+    from dflash_train.models.export import export_checkpoint, load_drafter
+
+    config = presets.resolve_drafter_config(
+        DrafterConfig(preset="tiny", block_size=4),
+        presets.tiny_hybrid_target_config(),
+        target_layer_ids=[0, 2],
+        mask_token_id=300,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(3)
+    drafter = DFlashDrafter(config)
+    optimizer = torch.optim.AdamW(drafter.parameters())
+    staging = ckpt.clear_staging(tmp_path, 7)
+    ckpt.write_shards(ckpt.sharded_state(drafter, optimizer), staging, group=None, asynchronous=False)
+    ckpt.save_checkpoint(
+        tmp_path,
+        7,
+        shards=None,
+        drafter_config=config.to_serving_dict(),
+        train_state={"step": 7},
+        config_yaml="target:\n  path: org/target\n",
+        keep_last=2,
+    )
+    result = export_checkpoint(tmp_path, tmp_path / "export", dtype="float32")
+    assert result["checkpoint"] == str(ckpt.step_folder(tmp_path, 7))
+    exported, _ = load_drafter(tmp_path / "export")
+    theirs = exported.state_dict()
+    assert all(torch.equal(theirs[k], v) for k, v in drafter.state_dict().items())

@@ -129,8 +129,10 @@ def test_two_rank_checkpoint_resumes_on_one_rank(task, two_rank_checkpoint, tmp_
     results = []
     for name, source in (("sharded", sharded), ("single", single_file)):
         out = fresh_run_from(source, tmp_path / name)
-        train(tiny_config(task, out, *FSDP, "train.max_steps=6"))
+        # Synchronous saves here (the multi-rank runs write asynchronously, the default).
+        train(tiny_config(task, out, *FSDP, "train.max_steps=6", "checkpoint.async_write=false"))
         results.append(rows(out))
+        assert ckpt.is_sharded(ckpt.step_folder(out, 6))
     assert [r["step"] for r in results[0]] == [5, 6]
     assert [r["loss"] for r in results[0]] == [r["loss"] for r in results[1]]
     assert "resuming a 2-rank checkpoint on 1 ranks: data position" in capsys.readouterr().out
