@@ -136,18 +136,20 @@ def first_fit_decreasing(
     for start in range(0, len(order), window):
         items = order[start : start + window]
         items = items[np.argsort(-lengths[items], kind="stable")]
-        free = np.zeros(len(items), dtype=np.int64)  # at most one bin per item
-        members: list[list[int]] = []
-        for item in items:
-            need = int(lengths[item])
-            fits = free[: len(members)] >= need
-            slot = int(fits.argmax()) if len(members) and fits.any() else len(members)
-            if slot == len(members):
-                members.append([])
-                free[slot] = capacity
-            members[slot].append(int(item))
-            free[slot] -= need
-        bins += [np.asarray(m, dtype=np.int64) for m in members]
+        need = lengths[items].astype(np.int64)
+        # Unopened bins hold ``capacity`` free tokens, so the first bin with room among the opened
+        # ones plus the next unopened one is exactly first fit: one vector compare per item.
+        free = np.full(len(items) + 1, capacity, dtype=np.int64)
+        slots = np.empty(len(items), dtype=np.int64)
+        opened = 0
+        for i, n in enumerate(need.tolist()):
+            slot = int(np.argmax(free[: opened + 1] >= n))
+            free[slot] -= n
+            slots[i] = slot
+            opened = max(opened, slot + 1)
+        order_in_bins = np.argsort(slots, kind="stable")
+        cuts = np.flatnonzero(np.diff(slots[order_in_bins])) + 1
+        bins += np.split(items[order_in_bins], cuts)
     return bins
 
 
