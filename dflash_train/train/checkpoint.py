@@ -168,10 +168,11 @@ def write_shards(state: dict[str, Any], staging: Path, *, group, asynchronous: b
     """
     import torch.distributed.checkpoint as dcp
 
-    single = not (dist.is_available() and dist.is_initialized())
-    if single:
+    if not (dist.is_available() and dist.is_initialized()):
         quiet_single_process_dcp()
-    kwargs = dict(storage_writer=_storage_writer(staging / DCP_DIR_NAME), process_group=group, no_dist=single)
+    # No ``no_dist``: without a process group DCP runs on one process by itself, and not every torch
+    # this runs on takes ``no_dist`` in ``async_save``.
+    kwargs = dict(storage_writer=_storage_writer(staging / DCP_DIR_NAME), process_group=group)
     if asynchronous:
         return dcp.async_save(state, **kwargs)
     dcp.save(state, **kwargs)
