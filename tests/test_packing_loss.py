@@ -142,3 +142,25 @@ def test_packed_tiny_run_trains(train_task, tmp_path):
     )
     losses = logged_losses(out)
     assert result["step"] == 6 and all(np.isfinite(list(losses.values())))
+
+
+def test_packed_run_resumes_with_the_uninterrupted_losses(train_task, tmp_path):
+    """SIGTERM inside step 4 of a packed run, resume: the same batches, anchors and losses."""
+    import os
+    import signal
+
+    from dflash_train.train.trainer import TrainHooks, train
+
+    extra = ("data.packing=true", "train.max_steps=8", "checkpoint.every_steps=100")
+    train(tiny_config(train_task, tmp_path / "full", *extra))
+    full = logged_losses(tmp_path / "full")
+
+    def sigterm_during_step_4(run):
+        if run.step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    out = tmp_path / "resumed"
+    first = train(tiny_config(train_task, out, *extra), TrainHooks(after_backward=sigterm_during_step_4))
+    assert first["step"] == 4
+    assert train(tiny_config(train_task, out, *extra))["step"] == 8
+    assert logged_losses(out) == full
