@@ -186,7 +186,7 @@ def test_a_missing_prompt_file_fails_at_the_start(task, tmp_path):
     from dflash_train.train.trainer import train
 
     cfg = tiny_config(task, tmp_path / "run", f"eval.prompts=[{tmp_path / 'nope.jsonl'}]")
-    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+    with pytest.raises(ValueError, match=r"eval.prompts: .*nope.jsonl.* not found"):
         train(cfg)
     assert not (tmp_path / "run" / "checkpoints").exists()  # before any step
 

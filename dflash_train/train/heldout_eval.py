@@ -75,6 +75,9 @@ def build_heldout_eval(run) -> HeldoutEval | None:
     from dflash_train.eval.prompts import BadPromptRows, load_prompt_file
     from dflash_train.eval.runner import default_eos_ids
 
+    missing = [path for path in cfg.prompts if not Path(path).is_file()]
+    if missing:
+        raise ValueError(f"eval.prompts: {missing} not found; fix the paths or drop them from eval.prompts.")
     started = time.perf_counter()
     target, tokenizer = run.target, run.target.tokenizer
     bad_rows = BadPromptRows(0)
