@@ -309,7 +309,9 @@ def validate_packing(cfg: RunConfig) -> None:
     """Packing knobs, and the placement that does not carry packed rows yet."""
     dt, t = cfg.data, cfg.train
     if dt.pack_window < 1 or t.anchors_per_token < 0:
-        raise ValueError("data.pack_window must be >= 1 and train.anchors_per_token >= 0 (0 = num_anchors / row).")
+        raise ValueError(
+            "data.pack_window must be >= 1 and train.anchors_per_token >= 0 (0 = num_anchors / row)."
+        )
     if dt.packing and t.placement == "split":
         raise ValueError(
             "data.packing=true is not supported with train.placement=split yet (the feature stream does not "
