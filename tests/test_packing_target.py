@@ -97,3 +97,12 @@ def test_packed_features_on_cuda_with_fla_varlen():
     finally:
         target_module.varlen_features = original
     assert calls, "the varlen path was not used"
+
+
+def test_remote_code_targets_are_refused(monkeypatch):
+    model = build_tiny_target("qwen3", vocab_size=320)
+    target = FrozenTarget(model, None, [0, 2])
+    monkeypatch.setattr(type(model), "__module__", "transformers_modules.someone.modeling_custom")
+    batch, _ = packed_batch()
+    with pytest.raises(ValueError, match="could cross conversations"):
+        target.features(batch.input_ids, position_ids=batch.position_ids)

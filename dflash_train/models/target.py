@@ -188,6 +188,12 @@ def packed_features(
     Any other layer type (Mamba, ...) is refused rather than risk crossing a boundary.
     """
     layer_types = set(getattr(target.config, "layer_types", None) or ["full_attention"])
+    if not type(target.model).__module__.startswith("transformers."):
+        # Remote code builds its own masks: nothing says it reads the restarting position ids.
+        raise ValueError(
+            f"data.packing: the target class {type(target.model).__name__} is not transformers' own "
+            "(trust_remote_code), so packed rows could cross conversations; set data.packing=false."
+        )
     if not gated_delta_net_layers(target.model):
         if not layer_types <= ATTENTION_LAYER_TYPES:
             raise ValueError(
