@@ -77,7 +77,8 @@ def launch(task, world: int, runs: list, extra: list, die_at: int = 0) -> None:
 def test_sigkill_of_one_rank_mid_save_keeps_the_previous_checkpoint(task, tmp_path):
     out = tmp_path / "run"
     extra = [*FSDP, "train.max_steps=8"]
-    with pytest.raises(Exception, match="signal|exit"):  # torch.multiprocessing reports the killed rank
+    # torch.multiprocessing reports the killed rank 1, or rank 0 failing on the closed connection
+    with pytest.raises(Exception, match="terminated with"):
         launch(task, 2, [out], extra, die_at=8)
     staged = ckpt.staging_folder(out, 8)
     assert (staged / "model_optim" / "__1_0.distcp").is_file()  # rank 1 had written its shard
