@@ -146,7 +146,7 @@ def train_state_dict(run: Run, **extra: Any) -> dict[str, Any]:
 
 
 def checkpoint_group(run: Run) -> Any:
-    """The gloo group DCP coordinates a save over (None alone), made on the first save.
+    """The gloo group DCP coordinates saves and loads over (None alone), made on first use.
 
     Its own group, not the training one: an async save runs DCP's collectives on a background thread
     while the training thread runs its own, and gloo is what DCP needs for an async save on GPU.
@@ -231,7 +231,7 @@ def maybe_resume(run: Run) -> None:
     )
     state = loaded["train_state"]
     if loaded["sharded"]:
-        ckpt.load_sharded_state(run.model, run.optimizer, path, group=run.group)
+        ckpt.load_sharded_state(run.model, run.optimizer, path, group=checkpoint_group(run))
     else:  # the older single-file layout: full state, loaded on every rank
         ckpt.load_model_state(run.model, loaded["drafter_state"], run.optimizer, state["optimizer"], path)
     run.scheduler.load_state_dict(state["scheduler"])
