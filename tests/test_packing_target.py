@@ -97,7 +97,7 @@ def test_packed_features_on_cuda_with_fla_varlen():
     original = target_module.varlen_features
     target_module.varlen_features = lambda *a, **k: calls.append(1) or original(*a, **k)
     try:
-        check_packed_equals_alone(target, device="cuda", atol=2e-3)
+        check_packed_equals_alone(target, device="cuda", atol=5e-3, rtol=5e-3)  # fla: tf32 dots
     finally:
         target_module.varlen_features = original
     assert calls, "the varlen path was not used"
