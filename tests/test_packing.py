@@ -281,3 +281,21 @@ def test_data_stats_reports_the_waste_of_both_modes(data_file, tmp_path, tiny_hy
         assert result["padding_waste_buckets"] == bucketed["padding_waste"]
         assert result["padding_waste_packed"] == packed["padding_waste"]
     assert packed["padding_waste"] < bucketed["padding_waste"] and packed["conversations_per_row"] > 1
+
+
+def test_a_later_epoch_that_packs_worse_keeps_the_step_count(monkeypatch):
+    """Epoch 0 fixes the capacity; a draw needing more rows is redrawn, and at worst epoch 0's rows
+    come back in a new order: never more steps, never a dropped conversation."""
+    import dflash_train.data.packing as packing
+
+    lengths = np.random.default_rng(0).integers(5, 60, size=200)
+    plan = packing.PackingPlan(lengths, seed=0, capacity=64, rows=4, window=50, world_size=2)
+    worse = [np.array([i]) for i in range(200)]  # one conversation per row: far over capacity
+    draws = []
+    monkeypatch.setattr(plan, "_draw", lambda epoch, attempt: draws.append(attempt) or worse)
+    rows = plan.packed_rows(3)
+    assert draws == list(range(packing.MAX_ATTEMPTS))  # every redraw tried, then the fallback
+    as_tuples = [tuple(r.tolist()) for r in rows]
+    base = [tuple(r.tolist()) for r in plan.base]
+    assert sorted(as_tuples) == sorted(base) and as_tuples != base
+    assert len(plan.groups(3)) == plan.steps_per_epoch
