@@ -264,3 +264,17 @@ def test_padding_with_eos_gives_the_same_continuations(setup, tokenizer):
         model, prompts, max_new_tokens=MAX_NEW, eos_token_ids=eos, pad_token_id=pad, batch_size=4
     )
     assert again == continuations
+
+
+
+def test_a_continuation_that_ends_early_at_eos_drafts_only_inside_itself(setup, tokenizer):
+    """EOS after a few tokens with a large max_new_tokens: anchors exist only up to the token before
+    EOS (no round starts after it), so the drafter pass never indexes past the row."""
+    kind, model, prompts, continuations, drafter = setup
+    eos = tokenizer.eos_token_id
+    rows = [prompts[0], prompts[1]]
+    conts = [[*continuations[0][:3], eos], [*continuations[1][:2], eos]]
+    report = exact_acceptance(model, drafter, rows, conts, max_new_tokens=MAX_NEW, eos_token_ids={eos})
+    dflash = report["methods"]["dflash"]
+    assert dflash["tokens"] == 4 + 3
+    assert 1.0 <= dflash["tau"] <= 4.0

@@ -273,8 +273,11 @@ def draft_all(
 ) -> list[AnchorDrafts]:  # fmt: skip
     """``anchor_drafts`` over every prompt, in row batches of at most ``budget`` block tokens."""
     block_size = drafter_config(drafter).block_size
-    # Rounds start with 1 .. limit-1 tokens emitted: one candidate anchor each.
-    num_anchors = [max(request_limit(c, max_new_tokens, eos_token_ids) - 1, 0) for c in continuations]
+    # Rounds start with 1 .. limit-1 tokens emitted: one candidate anchor each. A continuation that
+    # ends at EOS has limit max_new_tokens but no round after its EOS: anchors stop inside it.
+    num_anchors = [
+        max(min(request_limit(c, max_new_tokens, eos_token_ids), len(c)) - 1, 0) for c in continuations
+    ]
     sequences = [[*p, *c] for p, c in zip(prompts, continuations, strict=True)]
     drafts: list[AnchorDrafts | None] = [None] * len(prompts)
     for batch in drafter_batches([len(s) for s in sequences], num_anchors, block_size, budget):
