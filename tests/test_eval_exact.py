@@ -266,7 +266,6 @@ def test_padding_with_eos_gives_the_same_continuations(setup, tokenizer):
     assert again == continuations
 
 
-
 def test_a_continuation_that_ends_early_at_eos_drafts_only_inside_itself(setup, tokenizer):
     """EOS after a few tokens with a large max_new_tokens: anchors exist only up to the token before
     EOS (no round starts after it), so the drafter pass never indexes past the row."""

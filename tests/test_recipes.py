@@ -5,8 +5,8 @@ import json
 import pytest
 
 from dflash_train.config import PACKAGED_RECIPES, load_config
-from dflash_train.train.trainer import train
 from dflash_train.tiny import save_tiny_target
+from dflash_train.train.trainer import train
 from tests.train_helpers import write_repeat_task
 
 RECIPES = sorted(p.stem for p in PACKAGED_RECIPES.glob("*.yaml"))
