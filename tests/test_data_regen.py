@@ -157,3 +157,61 @@ def test_regen_refuses_a_checkpoint_with_missing_weights(tiny_qwen3_dir, chat_fi
     )
     with pytest.raises(ValueError, match="lacks .* weights"):
         run_regen(regen_args(broken, chat_file, tmp_path / "o.jsonl"))
+
+
+def split_merged_token(tokenizer):
+    """(text, its canonical ids, a split of them into single characters the tokenizer never produces)."""
+    for token_id in sorted(tokenizer.get_vocab().values()):
+        text = tokenizer.decode([token_id])
+        if (
+            len(text) < 2
+            or not text.isalpha()
+            or tokenizer(text, add_special_tokens=False)["input_ids"] != [token_id]
+        ):
+            continue
+        chars = [tokenizer(c, add_special_tokens=False)["input_ids"] for c in text]
+        if all(len(c) == 1 for c in chars):
+            return text, [token_id], [c[0] for c in chars]
+    raise AssertionError("the tiny tokenizer has no merged alphabetic token")
+
+
+def test_round_trip_error_finds_a_split_the_tokenizer_never_produces(tiny_hybrid_dir):
+    from transformers import AutoTokenizer
+
+    from dflash_train.data.regen_turns import round_trip_error
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_hybrid_dir)
+    text, canonical, split = split_merged_token(tokenizer)
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": text}]
+    assert round_trip_error(tokenizer, conversation, canonical, {}) is None
+    error = round_trip_error(tokenizer, conversation, split, {})
+    assert error is not None and f"generated {split}" in error and f"tokenizes to [{canonical[0]}," in error
+
+
+def test_regen_counts_rows_whose_text_does_not_round_trip(
+    tiny_hybrid_dir, chat_file, tmp_path, monkeypatch, capsys
+):
+    from transformers import AutoTokenizer
+
+    from dflash_train.data import regen
+    from dflash_train.data.sampling import Generation
+
+    _, _, split = split_merged_token(AutoTokenizer.from_pretrained(tiny_hybrid_dir))
+    # The target "emits" a non-canonical split: its text cannot carry those ids.
+    monkeypatch.setattr(
+        regen, "sample_batch", lambda model, prompts, keys, **_: [Generation(split, True)] * len(prompts)
+    )
+    output = tmp_path / "regen.jsonl"
+    result = run_regen(regen_args(tiny_hybrid_dir, chat_file, output, max_rows=2))
+    assert result["rows_done"] == 2 and result["rows_not_round_trip"] == 2
+    rows = read_jsonl(output)
+    assert [r["regen"]["round_trip"] for r in rows] == [[False, False], [False]]  # per assistant turn
+    assert "2 of 2 rows store a reply whose text re-tokenizes" in capsys.readouterr().err
+
+
+def test_regen_reports_rows_that_round_trip(tiny_hybrid_dir, chat_file, tmp_path):
+    output = tmp_path / "regen.jsonl"
+    result = run_regen(regen_args(tiny_hybrid_dir, chat_file, output))
+    rows = read_jsonl(output)
+    assert all(len(r["regen"]["round_trip"]) == len(r["regen"]["finished"]) for r in rows)
+    assert result["rows_not_round_trip"] == sum(not all(r["regen"]["round_trip"]) for r in rows)

@@ -35,6 +35,7 @@ from dflash_train.data.regen_turns import (
     Reply,
     advance_to_reply,
     assistant_message,
+    round_trip_error,
     row_key,
     turn_key,
 )
@@ -100,7 +101,9 @@ def run_regen(opts: RegenOptions) -> dict[str, Any]:
         else:
             todo.append(row)
     engine = build_engine(opts) if todo else None
-    counts = {"rows_done": 0, "rows_hit_max_new_tokens": 0, "rows_failed": 0}
+    # rows_not_round_trip: rows whose stored text re-tokenizes to other ids than generated (below).
+    counts = {"rows_done": 0, "rows_hit_max_new_tokens": 0, "rows_failed": 0, "rows_not_round_trip": 0}
+    mismatches: list[str] = []
     output.parent.mkdir(parents=True, exist_ok=True)
     failed_path = Path(str(output).removesuffix(".jsonl") + ".failed.jsonl")
     t0 = time.perf_counter()
@@ -108,7 +111,7 @@ def run_regen(opts: RegenOptions) -> dict[str, Any]:
         chunk = max(opts.batch_size, 8 * opts.concurrency) if opts.endpoint else opts.batch_size
         bar = tqdm(total=len(todo), unit="row", desc="regen", disable=None)  # rows/s on a terminal
         for batch in chunked(todo, chunk):
-            write_results(engine.regenerate(batch), opts, engine.name, out, failed, counts)
+            write_results(engine.regenerate(batch), opts, engine.name, out, failed, counts, mismatches)
             bar.update(len(batch))
             bar.set_postfix(
                 failed=counts["rows_failed"], hit_limit=counts["rows_hit_max_new_tokens"], refresh=False
@@ -117,6 +120,8 @@ def run_regen(opts: RegenOptions) -> dict[str, Any]:
     elapsed = time.perf_counter() - t0
     if counts["rows_failed"]:
         print(f"regen: {counts['rows_failed']} rows failed, see {failed_path}", file=sys.stderr)
+    if counts["rows_not_round_trip"]:
+        print(round_trip_warning(counts, mismatches), file=sys.stderr)
     return {
         **counts,
         "rows_skipped": num_skipped,
@@ -129,16 +134,28 @@ def run_regen(opts: RegenOptions) -> dict[str, Any]:
     }
 
 
-def write_results(results, opts: RegenOptions, engine_name: str, out, failed, counts: dict) -> None:
-    """Append one batch's rows (or their failures) and make them durable."""
-    for row, messages, finished, error in results:
+def write_results(
+    results, opts: RegenOptions, engine_name: str, out, failed, counts: dict, mismatches: list[str]
+) -> None:
+    """Append one batch's rows (or their failures) and make them durable.
+
+    A result is ``(row, messages, finished, error)``; the in-process engines add a fifth item, one
+    round-trip error (or None) per assistant turn (the endpoint returns text only: unchecked).
+    """
+    for row, messages, finished, error, *checked in results:
+        round_trip = checked[0] if checked else None
         if error:
             record = {"key": row_key(row), "source": row.source, "line": row.line, "reason": error}
             failed.write(json.dumps(record | {"messages": row.messages}) + "\n")
             counts["rows_failed"] += 1
             continue
-        out.write(json.dumps(output_row(row, messages, finished, opts, engine_name)) + "\n")
+        out.write(json.dumps(output_row(row, messages, finished, opts, engine_name, round_trip)) + "\n")
         counts["rows_done"] += 1
+        bad = [f"turn {t} {e}" for t, e in enumerate(round_trip or []) if e]
+        if bad:
+            counts["rows_not_round_trip"] += 1
+            if len(mismatches) < 3:
+                mismatches.append(f"{row_key(row)} {bad[0]}")
         counts["rows_hit_max_new_tokens"] += not all(finished)
     for handle in (out, failed):
         handle.flush()
@@ -171,8 +188,24 @@ def read_done_keys(output: Path) -> set[str]:
     return keys
 
 
+def round_trip_warning(counts: dict, examples: list[str]) -> str:
+    return (
+        f"regen: WARNING {counts['rows_not_round_trip']} of {counts['rows_done']} rows store a reply whose "
+        "text re-tokenizes (under the chat template, as training reads it) to other tokens than the "
+        "target generated, so the drafter learns tokens the target does not emit (regen.round_trip "
+        "is false in those rows). Typical causes: a target emitting a split its tokenizer never "
+        "produces (an undertrained model), or a reply merging with the template text before it. "
+        f"First: {'; '.join(examples)}"
+    )
+
+
 def output_row(
-    row: ChatRow, messages: list[dict], finished: list[bool], opts: RegenOptions, engine: str
+    row: ChatRow,
+    messages: list[dict],
+    finished: list[bool],
+    opts: RegenOptions,
+    engine: str,
+    round_trip: list[str | None] | None = None,
 ) -> dict:
     meta = {
         "key": row_key(row),
@@ -185,6 +218,8 @@ def output_row(
         "thinking": opts.thinking,
         "finished": finished,  # False where the reply hit --max-new-tokens
     }
+    if round_trip is not None:  # per turn: the stored text re-tokenizes to the generated ids
+        meta["round_trip"] = [error is None for error in round_trip]
     extra = {k: v for k, v in (row.extra or {}).items() if k != "regen"}
     return {**extra, "messages": messages, "regen": meta}
 
@@ -197,11 +232,16 @@ def chunked(items: list, size: int) -> Iterator[list]:
 # ----------------------------------------------------------------------------- generation
 
 
-def regenerate(engine, rows: list[ChatRow]) -> list[tuple[ChatRow, list[dict], list[bool], str | None]]:
-    """Regenerate a batch turn by turn: turn t of every row is generated in one engine call."""
+def regenerate(engine, rows: list[ChatRow]) -> list[tuple]:
+    """Regenerate a batch turn by turn: turn t of every row is generated in one engine call.
+
+    Each result is ``(row, messages, finished, None, round_trip)``; ``round_trip`` holds per turn
+    None where the stored text re-tokenizes to the generated ids, else where it does not.
+    """
     conversations: list[list[dict]] = [[] for _ in rows]
     cursors = [0] * len(rows)
     finished: list[list[bool]] = [[] for _ in rows]
+    round_trip: list[list[str | None]] = [[] for _ in rows]
     while True:
         waiting = [i for i, row in enumerate(rows) if advance_to_reply(row, conversations[i], cursors, i)]
         if not waiting:
@@ -211,8 +251,14 @@ def regenerate(engine, rows: list[ChatRow]) -> list[tuple[ChatRow, list[dict], l
         for i, reply in zip(waiting, replies):
             conversations[i].append(assistant_message(reply))
             finished[i].append(reply.finished)
+            if reply.token_ids is not None:
+                round_trip[i].append(
+                    round_trip_error(
+                        engine.tokenizer, conversations[i], reply.token_ids, engine.template_kwargs
+                    )
+                )
             cursors[i] += 1  # past the original assistant turn (or the end of a prompt-only row)
-    return [(row, conv, fin, None) for row, conv, fin in zip(rows, conversations, finished)]
+    return [(*result, None, trips) for *result, trips in zip(rows, conversations, finished, round_trip)]
 
 
 def build_engine(opts: RegenOptions):
@@ -270,10 +316,15 @@ class TransformersEngine:
             pad_id=self.pad_id,
             sampling=self.sampling,
         )
-        return [
-            Reply(self.tokenizer.decode(g.token_ids, skip_special_tokens=False), g.finished)
-            for g in generations
-        ]
+        return [reply_from_ids(self.tokenizer, g.token_ids, g.finished) for g in generations]
+
+
+def reply_from_ids(tokenizer, token_ids: list[int], finished: bool) -> Reply:
+    """The stored reply of generated ids (stop token excluded). Special tokens stay in the text and
+    nothing is cleaned up or stripped, so the text re-encodes to these ids wherever the tokenizer can
+    (``round_trip_error`` counts the rest)."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return Reply(text, finished, token_ids=tuple(token_ids))
 
 
 def reply_stop_ids(tokenizer, eos: list[int], kwargs: dict) -> set[int]:
@@ -324,7 +375,14 @@ class VllmEngine:
             {"prompt_token_ids": self.tokenizer(p, add_special_tokens=False)["input_ids"]} for p in prompts
         ]
         outputs = self.llm.generate(ids, params, use_tqdm=False)
-        return [Reply(o.outputs[0].text, o.outputs[0].finish_reason == "stop") for o in outputs]
+        return [self.reply(o.outputs[0]) for o in outputs]
+
+    def reply(self, completion) -> Reply:
+        """Decoded here like the transformers engine (vLLM's own text drops special tokens)."""
+        ids, finished = list(completion.token_ids), completion.finish_reason == "stop"
+        if finished and ids and ids[-1] in set(self.tokenizer.all_special_ids):
+            ids = ids[:-1]  # the EOS it stopped at
+        return reply_from_ids(self.tokenizer, ids, finished)
 
 
 def options_from_args(args) -> RegenOptions:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -18,12 +19,14 @@ THINKING = {"on": True, "off": False, "default": None}
 
 
 class Reply(NamedTuple):
-    """One generated turn: its text, whether it ended on a stop token, and an error (endpoint only)."""
+    """One generated turn: its text, whether it ended on a stop token, an error (endpoint only), and
+    the generated token ids (in-process engines; stop token excluded) for the round-trip check."""
 
     text: str
     finished: bool
     error: str | None = None
     reasoning: str | None = None
+    token_ids: tuple[int, ...] | None = None
 
 
 def row_key(row: ChatRow) -> str:
@@ -68,3 +71,35 @@ def advance_to_reply(row: ChatRow, conversation: list[dict], cursors: list[int],
         return True
     prompt_only = not any(m["role"] == "assistant" for m in messages)
     return prompt_only and cursors[i] == len(messages)  # one past the end once its reply exists
+
+
+def round_trip_error(
+    tokenizer, conversation: list[dict], reply_ids: Sequence[int], kwargs: dict
+) -> str | None:
+    """None when the last (assistant) turn of ``conversation`` tokenizes as training reads it
+    (the whole chat template rendering) to the prompt's ids followed by exactly ``reply_ids``; else
+    where it differs.
+
+    Text cannot always carry token ids: a BPE target may emit a split that its tokenizer never
+    produces (two ``\\n`` tokens where the text re-encodes to one ``\\n\\n``), or a reply's first
+    characters may merge with the template text before them. The drafter then trains on tokens the
+    target does not emit.
+    """
+    prompt = tokenizer.apply_chat_template(
+        conversation[:-1], tokenize=False, add_generation_prompt=True, **kwargs
+    )
+    try:
+        full = tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
+    except Exception as err:  # jinja raises many types; training would skip this row too
+        return f"the chat template fails on the reply: {type(err).__name__}: {err}"
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    expected = [*prompt_ids, *reply_ids]
+    got = tokenizer(full, add_special_tokens=False)["input_ids"][: len(expected)]
+    if got == expected:
+        return None
+    k = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
+    if k >= len(prompt_ids):
+        where = f"reply token {k - len(prompt_ids)}"
+    else:  # the reply's first characters merged with the template text before it
+        where = f"prompt token {k} (merged with the reply's start)"
+    return f"at {where}: generated {expected[k : k + 4]}, the stored text tokenizes to {got[k : k + 4]}"
