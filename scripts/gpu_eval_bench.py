@@ -31,7 +31,7 @@ from dflash_train.eval.exact import exact_generations
 from dflash_train.eval.generate import greedy_continuations, pad_token_for
 from dflash_train.eval.runner import default_eos_ids
 from dflash_train.eval.summary import summarize_rounds
-from dflash_train.models.target import bind_fla_causal_conv, bound_kernels
+from dflash_train.models.target_kernels import bind_fla_causal_conv, bound_kernels
 
 TOPICS = [
     "Write a Python function that merges two sorted lists.",
