@@ -40,3 +40,19 @@ def train_task(tmp_path_factory):
         "data": str(write_repeat_task(root / "data.jsonl")),
         "cache": str(root / "cache"),
     }
+
+
+@pytest.fixture
+def task(train_task):
+    """The shared training task under the name the training tests use."""
+    return train_task
+
+
+@pytest.fixture
+def one_thread():
+    """One CPU thread: tiny matmuls run faster, and spawned ranks / subprocesses (which run with one
+    thread too) use the same kernels, so losses compare bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -20,17 +20,7 @@ from tests.train_helpers import spawn_ranks, tiny_config
 FSDP = ["train.parallel=fsdp", "checkpoint.every_steps=4"]
 
 
-@pytest.fixture
-def task(train_task):
-    return train_task
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the spawned ranks run with one thread too: same kernels, same bits
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def rows(out_dir) -> list[dict]:

@@ -18,11 +18,6 @@ from tests.train_helpers import WORDS, logged_losses, spawn_ranks, tiny_config, 
 MAX_NEW_TOKENS = 24
 
 
-@pytest.fixture
-def task(train_task):
-    return train_task
-
-
 @pytest.fixture(scope="module")
 def prompt_files(tmp_path_factory):
     """Two held-out files: repeat requests like the training task, and other chat requests."""

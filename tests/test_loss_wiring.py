@@ -17,18 +17,7 @@ from dflash_train.train.parallel import unwrap
 from dflash_train.train.trainer import TrainHooks, train
 from tests.train_helpers import spawn_ranks, tiny_config
 
-
-@pytest.fixture
-def task(train_task):
-    return train_task
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def first_step_loss(out_dir) -> float:

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from dflash_train.train import checkpoint as ckpt
 from dflash_train.train.trainer import TrainHooks, train
@@ -22,17 +21,7 @@ REPO = Path(__file__).parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 
-@pytest.fixture
-def task(train_task):
-    return train_task
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the subprocesses run with one thread too: same kernels, same bits
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def metric_rows(out_dir) -> list[dict]:

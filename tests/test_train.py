@@ -15,17 +15,7 @@ from tests.train_helpers import logged_losses, tiny_config
 GOLDEN = Path(__file__).parent / "golden" / "tiny_train_losses.json"
 
 
-@pytest.fixture
-def task(train_task):
-    return train_task
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matmuls: 1 thread is faster here, and results do not depend on it
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_loss_falls_and_result_names_checkpoint_and_export(task, tmp_path):
