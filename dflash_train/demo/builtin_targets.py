@@ -13,7 +13,7 @@ from pathlib import Path
 from dflash_train.models.builtin_targets import register_builtin_target
 
 DEMO_TARGETS = ("demo-target",)
-# The builtin target trains its full schedule (700 steps, ~3 minutes on 2 idle cores) whatever the
+# The builtin target trains its full schedule (700 steps, ~8 minutes on 2 idle CPU cores) whatever the
 # machine's load, so every machine gets the same target; the wall-clock cap is only a backstop
 # against a machine so busy that the schedule would take half an hour. A 180 s cap once left a
 # loaded machine with a 10-step target whose greedy output was a run of newlines, cached for good.
@@ -34,7 +34,7 @@ def builtin_target_path(name: str, *, progress: bool = True) -> Path:
     if not (path / "build_info.json").exists():
         if progress:
             print(
-                f"building the demo target into {path} (one time, ~3 minutes on 2 CPU cores)", file=sys.stderr
+                f"building the demo target into {path} (one time, ~8 minutes on 2 CPU cores)", file=sys.stderr
             )
         try:
             target_build.build_demo_target(path, seconds_budget=BUILTIN_TARGET_MAX_SECONDS, progress=progress)
