@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_train.demo import corpus, target_build
-from dflash_train.demo.builtin_targets import builtin_target_path
+from dflash_train.demo.builtin_targets import BUILTIN_TARGET_MAX_SECONDS, builtin_target_path
 from dflash_train.demo.target_build import DemoTargetSettings, build_demo_target
 
 TINY = DemoTargetSettings(
@@ -102,15 +102,34 @@ def test_builtin_path_is_cached_and_rejects_unknown_names(tmp_path, monkeypatch)
     calls = []
 
     def fake_build(path, **kwargs):
-        calls.append(path)
+        calls.append((path, kwargs["seconds_budget"]))
         path.mkdir(parents=True)
-        (path / "build_info.json").write_text("{}")
+        (path / "build_info.json").write_text(
+            json.dumps({"steps": target_build.DemoTargetSettings().max_steps})
+        )
         return path
 
     monkeypatch.setattr(target_build, "build_demo_target", fake_build)
     first = builtin_target_path("demo-target", progress=False)
-    assert first.parent == tmp_path and first.name.startswith("demo-target-v1-py3.")
+    assert first.parent == tmp_path
+    assert first.name.startswith(f"demo-target-{target_build.CACHE_VERSION}-py3.")
     assert builtin_target_path("demo-target", progress=False) == first
-    assert calls == [first]
+    # Built once, with the full schedule: the wall-clock budget is only a backstop.
+    assert calls == [(first, BUILTIN_TARGET_MAX_SECONDS)] and BUILTIN_TARGET_MAX_SECONDS >= 1800
     with pytest.raises(ValueError, match="unknown built-in target"):
         builtin_target_path("gpt-5")
+
+
+def test_a_builtin_target_cut_short_by_the_backstop_warns_at_every_use(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path))
+
+    def fake_build(path, **kwargs):
+        path.mkdir(parents=True)
+        (path / "build_info.json").write_text(json.dumps({"steps": 10}))
+        return path
+
+    monkeypatch.setattr(target_build, "build_demo_target", fake_build)
+    for _ in range(2):
+        path = builtin_target_path("demo-target", progress=False)
+        assert "trained only 10 of" in capsys.readouterr().err
+    assert (path / "build_info.json").exists()
