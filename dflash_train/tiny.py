@@ -88,3 +88,40 @@ def save_tiny_target(
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+def fit_drafter_on_continuations(
+    drafter,
+    target,
+    prompts,
+    continuations,
+    *,
+    max_new_tokens: int,
+    steps: int,
+    lr: float = 1e-2,
+):
+    """A few Adam steps of ``drafter`` on every anchor of the target's continuations of ``prompts``:
+    a partially right drafter for evaluation tests and CPU eval benchmarks. ``target`` is a
+    FrozenTarget (``eval.exact.as_frozen_target(model, layer_ids)``). Returns it in eval mode."""
+    import torch.nn.functional as F
+
+    block_size = drafter.config.block_size
+    sequences = [p + c for p, c in zip(prompts, continuations, strict=True)]
+    lengths = torch.tensor([len(s) for s in sequences])
+    ids = torch.zeros(len(sequences), int(lengths.max()), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = torch.tensor(seq)
+    features = target.features(ids)
+    anchors = torch.tensor([len(p) for p in prompts])[:, None] + torch.arange(max_new_tokens)
+    keep = anchors + 1 < lengths[:, None]
+    positions = anchors[..., None] + torch.arange(1, block_size)
+    labels = ids.gather(1, positions.clamp(max=ids.shape[1] - 1).flatten(1)).view_as(positions)
+    valid = keep[..., None] & (positions < lengths[:, None, None])
+    optimizer = torch.optim.Adam(drafter.parameters(), lr=lr)
+    for _ in range(steps):
+        hidden = drafter(features, ids, anchors, keep, target.embed_tokens)
+        loss = F.cross_entropy(target.lm_head(hidden[:, :, 1:])[valid], labels[valid])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return drafter.eval()

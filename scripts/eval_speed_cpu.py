@@ -21,13 +21,13 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from dflash_train.eval.command import run_eval
 from dflash_train.eval.exact import as_frozen_target
 from dflash_train.eval.generate import greedy_continuations
 from dflash_train.eval.options import EvalOptions
 from dflash_train.eval.prompts import encode_prompt
+from dflash_train.tiny import fit_drafter_on_continuations
 
 WORDS = [
     "def",
@@ -82,26 +82,15 @@ def fit_drafter(model, tokenizer, prompts, max_new_tokens, block_size=8, steps=3
     continuations = greedy_continuations(
         model, prompts, max_new_tokens=max_new_tokens, eos_token_ids=eos, pad_token_id=0, batch_size=16
     )
-    target = as_frozen_target(model, [0, 2])
-    sequences = [p + c for p, c in zip(prompts, continuations, strict=True)]
-    lengths = torch.tensor([len(s) for s in sequences])
-    ids = torch.zeros(len(sequences), int(lengths.max()), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        ids[row, : len(seq)] = torch.tensor(seq)
-    features = target.features(ids)
-    anchors = torch.tensor([len(p) for p in prompts])[:, None] + torch.arange(max_new_tokens)
-    keep = anchors + 1 < lengths[:, None]
-    positions = anchors[..., None] + torch.arange(1, block_size)
-    labels = ids.gather(1, positions.clamp(max=ids.shape[1] - 1).flatten(1)).view_as(positions)
-    valid = keep[..., None] & (positions < lengths[:, None, None])
-    optimizer = torch.optim.Adam(drafter.parameters(), lr=1e-2)
-    for _ in range(steps):
-        hidden = drafter(features, ids, anchors, keep, target.embed_tokens)
-        loss = F.cross_entropy(target.lm_head(hidden[:, :, 1:])[valid], labels[valid])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return drafter.eval(), config
+    drafter = fit_drafter_on_continuations(
+        drafter,
+        as_frozen_target(model, [0, 2]),
+        prompts,
+        continuations,
+        max_new_tokens=max_new_tokens,
+        steps=steps,
+    )
+    return drafter, config
 
 
 def main() -> None:

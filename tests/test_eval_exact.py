@@ -12,7 +12,6 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from dflash_train.eval.exact import as_frozen_target, exact_acceptance, exact_generations
 from dflash_train.eval.generate import greedy_continuations
@@ -96,27 +95,18 @@ def make_drafter(model, tokenizer, seed=0):
 
 def fit_drafter(model, tokenizer, prompts, continuations, steps=10, lr=1e-2):
     """A few Adam steps on every anchor of the continuations: a partially right drafter."""
+    from dflash_train.tiny import fit_drafter_on_continuations
+
     drafter = make_drafter(model, tokenizer)
-    target = as_frozen_target(model, LAYER_IDS)
-    sequences = [p + c for p, c in zip(prompts, continuations, strict=True)]
-    lengths = torch.tensor([len(s) for s in sequences])
-    ids = torch.zeros(len(sequences), int(lengths.max()), dtype=torch.long)
-    for row, seq in enumerate(sequences):
-        ids[row, : len(seq)] = torch.tensor(seq)
-    features = target.features(ids)
-    anchors = torch.tensor([len(p) for p in prompts])[:, None] + torch.arange(MAX_NEW)
-    keep = anchors + 1 < lengths[:, None]
-    positions = anchors[..., None] + torch.arange(1, BLOCK)
-    labels = ids.gather(1, positions.clamp(max=ids.shape[1] - 1).flatten(1)).view_as(positions)
-    valid = keep[..., None] & (positions < lengths[:, None, None])
-    optimizer = torch.optim.Adam(drafter.parameters(), lr=lr)
-    for _ in range(steps):
-        hidden = drafter(features, ids, anchors, keep, target.embed_tokens)
-        loss = F.cross_entropy(target.lm_head(hidden[:, :, 1:])[valid], labels[valid])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return drafter.eval()
+    return fit_drafter_on_continuations(
+        drafter,
+        as_frozen_target(model, LAYER_IDS),
+        prompts,
+        continuations,
+        max_new_tokens=MAX_NEW,
+        steps=steps,
+        lr=lr,
+    )
 
 
 def test_batched_generation_equals_plain_decoding(setup):
