@@ -48,6 +48,9 @@ class TargetConfig:
     # torch.compile the target's MLPs, norms and full-attention blocks for the training feature
     # pass (CUDA only; GatedDeltaNet kernels stay fla's). Evaluation always runs it uncompiled.
     compile: bool = False
+    # Run the target's decoder linears in FP8 (torchao float8, rowwise scales; CUDA sm89+, target.dtype
+    # bfloat16, the `fp8` extra). Embedding and LM head stay bf16 (models/target_fp8.py).
+    fp8: bool = False
     trust_remote_code: bool = False
 
 
@@ -288,6 +291,11 @@ def validate(cfg: RunConfig) -> None:
             "target.fsdp_shard=true: sharding the target is not implemented. A 27B bf16 target (54 GB) fits "
             "next to the drafter's training state on one 141 GB GPU; for a larger target use "
             "train.placement=split with train.target_ranks=N so the target gets GPUs of its own."
+        )
+    if cfg.target.fp8 and cfg.target.dtype != "bfloat16":
+        raise ValueError(
+            f"target.fp8=true quantizes bfloat16 weights, but target.dtype={cfg.target.dtype}: set "
+            "target.dtype=bfloat16, or target.fp8=false."
         )
     if t.placement == "split" and t.target_ranks < 1:
         raise ValueError(

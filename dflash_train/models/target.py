@@ -14,6 +14,7 @@ Shapes: R rows, L sequence, H hidden, n feature layers.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,6 +27,7 @@ from transformers import PreTrainedModel
 from dflash_train.models import presets
 from dflash_train.models.drafter_config import DFlashDraftConfig
 from dflash_train.models.dtypes import resolve_dtype
+from dflash_train.models.target_fp8 import check_fp8_support, quantize_target_linears
 from dflash_train.models.target_kernels import (
     bind_fla_causal_conv,
     bound_kernels,
@@ -408,6 +410,8 @@ def load_target(
     """
     device = torch.device(device)
     dtype = resolve_dtype(cfg.dtype)
+    if cfg.fp8:  # refuse before any weight is loaded
+        check_fp8_support(device, dtype)
     if device.type == "cuda" and dtype == torch.float32:
         warnings.warn("target.dtype=float32 on CUDA is slow and uses 2x memory; use bfloat16.", stacklevel=2)
     layer_ids, num_hidden_layers = None, None
@@ -432,6 +436,8 @@ def load_target(
     if layer_ids is None:
         num_layers = presets.text_config(model.config).num_hidden_layers
         layer_ids = resolve_target_layer_ids(cfg, num_layers, num_target_features)
+    if cfg.fp8:  # before compiling, so the compiled regions trace the float8 linears
+        kernels.update(quantize_target_linears(model).kernel_entries())
     if compile_regions and device.type == "cuda":
         compile_target_regions(model)
     target = FrozenTarget(model, tokenizer, layer_ids, kernels=kernels)
@@ -450,7 +456,8 @@ def load_target_head(cfg: TargetConfig, device: str | torch.device) -> FrozenTar
     """
     path = Path(cfg.path)
     if cfg.path.startswith(("preset:", "builtin:")) or not any(path.glob("*.safetensors")):
-        target = load_target(cfg, "cpu")
+        # Embedding and LM head stay bf16 under target.fp8, and FP8 cannot load on the CPU.
+        target = load_target(dataclasses.replace(cfg, fp8=False), "cpu")
     else:
         model = meta_text_model(cfg)
         load_head_tensors(path, model, resolve_dtype(cfg.dtype))
