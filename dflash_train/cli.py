@@ -219,6 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="compile the target's MLPs, norms and attention blocks (default: as --compile)",
     )
     p.add_argument(
+        "--target-fp8",
+        action="store_true",
+        help="target.fp8: the target's decoder linears in FP8 (torchao float8; CUDA sm89+, the fp8 extra)",
+    )
+    p.add_argument(
         "--profile", default="", help="after timing, profile one step and write a kernel table here"
     )
     p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=False)

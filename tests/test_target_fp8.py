@@ -213,3 +213,20 @@ def test_fp8_features_close_to_bf16_on_gpu(request, fixture):
     assert got.dtype == torch.bfloat16 and got.shape == expected.shape
     assert not torch.equal(got, expected)  # the FP8 path really ran
     assert cosine(got, expected) > 0.99
+
+
+# ----------------------------------------------------------------------------- bench
+
+
+def test_bench_target_fp8_flag_sets_the_target_config():
+    from dflash_train.bench.train_step import BenchOptions, bench_config
+    from dflash_train.cli import build_parser, options_from_args
+
+    args = build_parser().parse_args(["bench", "--preset", "qwen3.6-27b", "--target-fp8"])
+    options = options_from_args(BenchOptions, args)
+    assert options.target_fp8 is True
+    cfg, _, _ = bench_config(options)
+    assert cfg.target.fp8 is True and cfg.target.dtype == "bfloat16"
+    assert bench_config(BenchOptions(preset="qwen3.6-27b"))[0].target.fp8 is False
+    with pytest.raises(ValueError, match="--target-fp8 needs a bfloat16 preset"):
+        BenchOptions(preset="tiny", target_fp8=True)

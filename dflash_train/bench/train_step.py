@@ -48,6 +48,8 @@ class BenchOptions:
     # target's MLPs, norms and attention blocks (None: as ``compile``).
     compile: bool | None = None
     target_compile: bool | None = None
+    # target.fp8: the target's decoder linears in FP8 (torchao; CUDA sm89+, not the float32 tiny preset).
+    target_fp8: bool = False
     # After timing, profile one step and write its kernel table to this path ("" = no profile).
     profile: str = ""
     activation_checkpointing: bool = False
@@ -68,6 +70,10 @@ class BenchOptions:
             raise ValueError(f"--attention-backend {self.attention_backend!r}: use auto, flex or sdpa")
         if min(self.rows, self.steps) < 1 or min(self.warmup, self.seq_len, self.num_anchors) < 0:
             raise ValueError("--rows and --steps must be >= 1; --warmup, --seq-len, --num-anchors >= 0")
+        if self.target_fp8 and self.preset == "tiny":
+            raise ValueError(
+                "--target-fp8 needs a bfloat16 preset (qwen3.6-27b, qwen3-8b); tiny runs in float32"
+            )
         if self.lengths and self.drafter_only:
             raise ValueError("--lengths times the full step on real data shapes; drop --drafter-only")
 
@@ -124,6 +130,7 @@ def bench_config(args: BenchOptions):
         f"target.path=preset:{target_preset}",
         f"target.dtype={'float32' if tiny else 'bfloat16'}",
         f"target.compile={str(compile_target).lower()}",
+        f"target.fp8={str(args.target_fp8).lower()}",
         f"drafter.preset={drafter_preset}",
         f"drafter.block_size={block_size}",
         f"train.num_anchors={anchors}",
@@ -179,6 +186,7 @@ def run_bench(args: BenchOptions) -> dict[str, Any]:
         else (args.attention_backend if args.attention_backend != "auto" else "sdpa"),
         "compile": cfg.train.compile,
         "target_compile": cfg.target.compile,
+        "target_fp8": cfg.target.fp8,
         "activation_checkpointing": cfg.train.activation_checkpointing,
         "tokens_per_s": args.rows * seq_len / result["step_s"],
         "samples_per_s": args.rows / result["step_s"],
