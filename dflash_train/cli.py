@@ -66,6 +66,7 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
         ddtree_topk=args.ddtree_topk,
         tau_mode=args.tau_mode,
         decode_prompts=args.decode_prompts,
+        decode_engine=args.decode_engine,
         dtype=args.dtype,
         batch_size=args.batch_size,
         drafter_batch_tokens=args.drafter_batch_tokens,
@@ -176,6 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="exact mode: also decode the first N prompts of each file (lossless check, tokens/s)",
+    )
+    p.add_argument(
+        "--decode-engine",
+        choices=["auto", "static", "dynamic"],
+        default="auto",
+        help="real decoding: static KV cache + CUDA graphs (pure-attention targets), dynamic HF cache "
+        "(any target), auto = static where supported",
     )
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
     p.add_argument(

@@ -53,6 +53,7 @@ def run_eval(options: EvalOptions) -> dict[str, Any]:
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
         "tau_mode": options.resolved_tau_mode,
+        **engine_fields(measured["decode_report"]),
     }
     return finish_report(measured, files, options, drafter.config.block_size, extra)
 
@@ -86,9 +87,10 @@ def measure(
             max_new_tokens=options.max_new_tokens, temperature=options.temperature, methods=methods,
             ngram_n=options.ngram_n, ddtree_budget=options.ddtree_budget, ddtree_topk=options.ddtree_topk,
             eos_token_ids=eos, seed=options.seed,
-            on_prompt=bars.decode_callback(len(decoded), methods),
+            on_prompt=bars.decode_callback(len(decoded), methods), decode_engine=options.decode_engine,
         )  # fmt: skip
         timings["decode"] = time.perf_counter() - started
+        print(f"eval: real decoding on {describe_engines(decode_report)}", file=sys.stderr)
         if not generations:
             generations = {m: decode_report["generations"][m] for m in options.methods}
     bars.close()
@@ -101,6 +103,23 @@ def measure(
         "verdict": verdict(divergences, len(decoded), options.temperature),
         "timings": timings,
     }
+
+
+def engine_fields(decode_report: dict | None) -> dict[str, Any]:
+    """``decode_engine`` (plain decoding's) and ``decode_engines`` per method; None without real decoding."""
+    if decode_report is None:
+        return {"decode_engine": None, "decode_engines": None}
+    methods = {name: summary["decode_engine"] for name, summary in decode_report["methods"].items()}
+    return {
+        "decode_engine": decode_report["decode_engine"],
+        "decode_engines": {"plain": decode_report["decode_engine"], **methods},
+    }
+
+
+def describe_engines(decode_report: dict) -> str:
+    """One line: which engine each decoded method ran on (static-cudagraph, static-eager, eager-dynamic)."""
+    engines = engine_fields(decode_report)["decode_engines"]
+    return ", ".join(f"{name}: {engine}" for name, engine in engines.items())
 
 
 def decoded_methods(target_model, options: EvalOptions) -> list[str]:

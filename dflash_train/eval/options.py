@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 TAU_MODES = ("auto", "exact", "decode")
+DECODE_ENGINES = ("auto", "static", "dynamic")  # eval/engines.py
 DTYPE_NAMES = ("auto", "bfloat16", "float32")
 THINKING = {"on": True, "off": False, "default": None}
 
@@ -40,6 +41,10 @@ class EvalOptions:
     tau_mode: str = "auto"
     # Exact mode: also decode the first N prompts of each file for real (lossless check, tokens/s).
     decode_prompts: int = 0
+    # Real decoding engine: static = static KV cache + CUDA graphs on GPU (pure-attention targets;
+    # tokens/s as a serving engine sees them), dynamic = HF dynamic cache (every target, slow on GPU),
+    # auto = static where the target supports it, else dynamic (printed and in the report).
+    decode_engine: str = "auto"
     # Target and drafter dtype; auto = bfloat16 on GPU, float32 on CPU.
     dtype: str = "auto"
     # Prompts per batched greedy generation; 0 = 32 on GPU, 8 on CPU.
@@ -67,6 +72,8 @@ class EvalOptions:
                 "--tau-mode exact needs --temperature 0 (sampled outputs are not the greedy continuation); "
                 "use --tau-mode decode for T > 0"
             )
+        if self.decode_engine not in DECODE_ENGINES:
+            raise ValueError(f"decode_engine={self.decode_engine!r}: use one of {list(DECODE_ENGINES)}")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype={self.dtype!r}: use one of {list(DTYPE_NAMES)}")
         if self.thinking not in THINKING:

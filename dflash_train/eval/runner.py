@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from dflash_train.eval.ddtree import ddtree_generate
+from dflash_train.eval.engines import DynamicEngine, build_decode_engine
 from dflash_train.eval.proposers import DFlashProposer, NgramProposer, Proposer
 from dflash_train.eval.speculative import Generation, plain_generate, speculative_generate
 from dflash_train.eval.summary import summarize_rounds
-from dflash_train.eval.target_session import TargetSession
 from dflash_train.eval.verdict import describe_divergence
 
 __all__ = ["Method", "build_method", "describe_divergence", "evaluate", "summarize"]
@@ -60,6 +60,7 @@ def evaluate(
     eos_token_ids: Collection[int] | None = None,
     seed: int = 0,
     on_prompt: Callable[[str, Generation], None] | None = None,
+    decode_engine: str = "auto",
 ) -> dict[str, Any]:
     """Run plain decoding and every method on every prompt.
 
@@ -69,7 +70,9 @@ def evaluate(
     ``block_size``, ``mask_token_id``, ``target_layer_ids``; it may be None when no method needs it.
     ``block_size`` (default: the drafter's, else 16) applies to drafter-free methods.
     ``on_prompt(method_name, generation)`` is called after each request (``"plain"`` for the
-    reference), for progress bars.
+    reference), for progress bars. ``decode_engine`` (``engines.DECODE_ENGINES``): ``auto`` runs the
+    static-cache engine (CUDA graphs on a GPU) where the target supports it; the report's
+    ``decode_engine`` fields say which engine produced each number.
     """
     resolved = [
         m
@@ -79,16 +82,20 @@ def evaluate(
     ]
     eos = set(default_eos_ids(target_model, tokenizer) if eos_token_ids is None else eos_token_ids)
     device = next(target_model.parameters()).device
+    engine = engine_for(target_model, decode_engine, resolved, prompts_token_ids, max_new_tokens)
     if device.type == "cuda":
-        _warm_up(target_model, resolved, prompts_token_ids[0], eos, temperature, seed)
+        _warm_up(target_model, resolved, prompts_token_ids[0], eos, temperature, seed, engine)
     references = []
     for i, prompt in enumerate(prompts_token_ids):
         generator = _generator(device, temperature, seed, i)
-        references.append(_run_plain(target_model, prompt, max_new_tokens, temperature, eos, generator))
+        references.append(
+            _run_plain(target_model, prompt, max_new_tokens, temperature, eos, generator, engine)
+        )
         if on_prompt is not None:
             on_prompt("plain", references[-1])
     report: dict[str, Any] = {
-        "baseline": summarize_plain(references),
+        "decode_engine": engine.name,
+        "baseline": {**summarize_plain(references), "decode_engine": engine.name},
         "methods": {},
         "generations": {"plain": references},
     }
@@ -96,24 +103,59 @@ def evaluate(
         summary, generations = evaluate_method(
             target_model, method, prompts_token_ids, references, max_new_tokens, temperature, eos, seed,
             on_prompt=None if on_prompt is None else lambda gen, name=method.name: on_prompt(name, gen),
+            engine=engine,
         )  # fmt: skip
+        summary["decode_engine"] = engine.method_engine(method.ddtree_budget > 0)
         summary["speedup"] = _ratio(summary["tokens_per_s"], report["baseline"]["tokens_per_s"])
         report["methods"][method.name] = summary
         report["generations"][method.name] = generations
     return report
 
 
+def engine_for(target_model, decode_engine: str, methods: Sequence[Method], prompts, max_new_tokens: int):
+    """The decode engine for these methods and prompts (sized for the longest request and the warm-up)."""
+    chains = [m for m in methods if m.ddtree_budget == 0]
+    block_sizes = sorted({m.block_size for m in chains}) or [1]
+    layer_ids = next((m.target_layer_ids for m in chains if m.target_layer_ids), ())
+    max_block = max(block_sizes)
+    max_length = max(len(p) for p in prompts) + max(max_new_tokens, 2 * max_block, 8) + max_block
+    return build_decode_engine(
+        target_model,
+        decode_engine,
+        max_length=max_length,
+        block_sizes=block_sizes,
+        target_layer_ids=layer_ids,
+    )
+
+
 def evaluate_method(
-    target_model, method: Method, prompts, references, max_new_tokens, temperature, eos, seed, on_prompt=None
+    target_model,
+    method: Method,
+    prompts,
+    references,
+    max_new_tokens,
+    temperature,
+    eos,
+    seed,
+    on_prompt=None,
+    engine=None,
 ) -> dict[str, Any]:
-    """Every prompt with one method: (summary against the plain-decoding references, generations)."""
+    """Every prompt with one method: (summary against the plain-decoding references, generations)."""  # fmt: skip
     device = next(target_model.parameters()).device
     generations = []
     for i, (prompt, reference) in enumerate(zip(prompts, references, strict=True)):
         generator = _generator(device, temperature, seed, i)
         generations.append(
             run_method(
-                target_model, method, prompt, reference.tokens, max_new_tokens, temperature, eos, generator
+                target_model,
+                method,
+                prompt,
+                reference.tokens,
+                max_new_tokens,
+                temperature,
+                eos,
+                generator,
+                engine,
             )
         )
         if on_prompt is not None:
@@ -165,12 +207,22 @@ def build_method(
 
 
 def run_method(
-    target_model, method: Method, prompt, reference_output, max_new_tokens, temperature, eos, generator
+    target_model,
+    method: Method,
+    prompt,
+    reference_output,
+    max_new_tokens,
+    temperature,
+    eos,
+    generator,
+    engine=None,
 ) -> Generation:
-    """One request with one method, on a fresh session and a fresh proposer."""
-    proposer = method.make_proposer(list(prompt), [*prompt, *reference_output])
-    with TargetSession(target_model, method.target_layer_ids) as session:
-        if method.ddtree_budget > 0:
+    """One request with one method, on a fresh (or, static engine, reset) session and proposer."""
+    engine = DynamicEngine(target_model) if engine is None else engine
+    tree = method.ddtree_budget > 0
+    proposer = engine.proposer(method.make_proposer(list(prompt), [*prompt, *reference_output]), tree=tree)
+    with engine.session(method.target_layer_ids, tree=tree) as session:
+        if tree:
             return ddtree_generate(
                 session,
                 proposer,
@@ -194,8 +246,9 @@ def run_method(
         )
 
 
-def _run_plain(target_model, prompt, max_new_tokens, temperature, eos, generator) -> Generation:
-    with TargetSession(target_model) as session:
+def _run_plain(target_model, prompt, max_new_tokens, temperature, eos, generator, engine=None) -> Generation:
+    engine = DynamicEngine(target_model) if engine is None else engine
+    with engine.session() as session:
         return plain_generate(
             session,
             prompt,
@@ -206,10 +259,11 @@ def _run_plain(target_model, prompt, max_new_tokens, temperature, eos, generator
         )
 
 
-def _warm_up(target_model, methods: Sequence[Method], prompt, eos, temperature, seed) -> None:
-    # The first CUDA forwards pay for kernel selection and allocator growth; keep them out of timing.
+def _warm_up(target_model, methods: Sequence[Method], prompt, eos, temperature, seed, engine) -> None:
+    # The first CUDA forwards pay for kernel selection, allocator growth and (static engine) the CUDA
+    # graph captures of the T = 1, T = B and drafter steps; keep them out of timing.
     device = next(target_model.parameters()).device
-    _run_plain(target_model, prompt, 8, temperature, eos, _generator(device, temperature, seed, 0))
+    _run_plain(target_model, prompt, 8, temperature, eos, _generator(device, temperature, seed, 0), engine)
     for method in methods:
         run_method(
             target_model,
@@ -220,6 +274,7 @@ def _warm_up(target_model, methods: Sequence[Method], prompt, eos, temperature, 
             temperature,
             eos,
             _generator(device, temperature, seed, 0),
+            engine,
         )
 
 
