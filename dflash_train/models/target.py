@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 from dflash_train.models import presets
 from dflash_train.models.drafter_config import DFlashDraftConfig
 from dflash_train.models.dtypes import resolve_dtype
+from dflash_train.models.gated_delta_net import bind_fused_gated_delta_net
 from dflash_train.models.target_fp8 import check_fp8_support, quantize_target_linears
 from dflash_train.models.target_kernels import (
     bind_fla_causal_conv,
@@ -433,6 +434,9 @@ def load_target(
     )
     bind_fla_causal_conv(model, device)
     kernels = check_fast_kernels(model, device, cfg.allow_slow_kernels)
+    if kernels.get("chunk_gated_delta_rule") == "fla" and kernels.get("causal_conv1d_fn") == "fla":
+        bind_fused_gated_delta_net(gated_delta_net_layers(model))
+        kernels = bound_kernels(model)
     if layer_ids is None:
         num_layers = presets.text_config(model.config).num_hidden_layers
         layer_ids = resolve_target_layer_ids(cfg, num_layers, num_target_features)

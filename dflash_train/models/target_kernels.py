@@ -40,7 +40,8 @@ def bound_kernels(model: nn.Module) -> dict[str, str]:
     """Which implementation each GatedDeltaNet/conv kernel and the attention of ``model`` run on.
 
     Values are the implementing package (``fla``, ``causal_conv1d``, a hub kernel's module) or
-    ``torch`` for transformers' reference fallback; ``attention`` is the attention implementation.
+    ``torch`` for transformers' reference fallback; ``attention`` is the attention implementation;
+    ``gated_delta_net`` says whether the layers run ``models/gated_delta_net.py``'s fused forward.
     """
     config = getattr(model, "config", None)
     kernels = {"attention": str(getattr(config, "_attn_implementation", None) or "unknown")}
@@ -48,6 +49,9 @@ def bound_kernels(model: nn.Module) -> dict[str, str]:
     if not layers:
         return kernels
     layer = layers[0]
+    kernels["gated_delta_net"] = (
+        "fla-fused" if "dflash_original_forward" in layer.__dict__ else "transformers"
+    )
     modeling_module = sys.modules.get(type(layer).__module__)
     for kernel, function_name in GDN_KERNEL_FUNCTIONS.items():
         # transformers 4.x stored the chosen kernel on the layer; 5.x calls module-level wrappers.
@@ -184,6 +188,22 @@ def check_fast_kernels(model: nn.Module, device: str | torch.device, allow_slow:
             stacklevel=2,
         )
     return kernels
+
+
+def compile_target_layers(model: nn.Module) -> list[str]:
+    """torch.compile every decoder layer's forward, in place; returns the layer names.
+
+    Fuses what ``compile_target_regions`` cannot reach: each residual add with the RMSNorm after
+    it, and (with the fused GatedDeltaNet forward) the layer's whole body around fla's two
+    opaque kernels. The forward (not ``__call__``) is compiled, so the feature hooks that
+    ``FrozenTarget`` registers per call stay outside the compiled code and never cause a recompile.
+    """
+    decoder = model.get_decoder()
+    compiled = []
+    for index, layer in enumerate(decoder.layers):
+        layer.forward = torch.compile(layer.forward, dynamic=False)
+        compiled.append(f"layers.{index}")
+    return compiled
 
 
 def compile_target_regions(model: nn.Module) -> list[str]:
