@@ -81,6 +81,8 @@ class StaticEngine:
         use_cuda_graphs: bool | None = None,
     ):
         self.model = model
+        # A multiple of 64 slots keeps the attention mask's rows aligned for the fused SDPA kernels.
+        max_length = -(-max_length // 64) * 64
         self.max_length = max_length
         self.target_layer_ids = tuple(target_layer_ids)
         self.use_cuda_graphs = use_cuda_graphs

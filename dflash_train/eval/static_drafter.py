@@ -59,12 +59,7 @@ class StaticDFlashProposer(Proposer):
         self._offsets = torch.arange(self.block_size, device=self.device)
         use_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self.use_cuda_graphs = use_graphs
-        self._step = GraphedStep(
-            self._forward,
-            self.block_size,
-            self.device,
-            torch.cuda.graph_pool_handle() if use_graphs else None,
-        )
+        self._step = GraphedStep(self._forward, self.block_size, self.device, use_graphs)
 
     def start(self, prompt_ids: Sequence[int]) -> None:
         self.num_context = 0

@@ -94,7 +94,6 @@ class StaticTargetSession:
         )  # the committed length, on device
         self._slots = torch.arange(max_length, device=self.device)
         self._steps: dict[int, GraphedStep] = {}
-        self._graph_pool = None
 
     @property
     def is_hybrid(self) -> bool:
@@ -199,9 +198,7 @@ class StaticTargetSession:
 
     def _step(self, size: int) -> GraphedStep:
         if size not in self._steps:
-            if self.use_cuda_graphs and self._graph_pool is None:
-                self._graph_pool = torch.cuda.graph_pool_handle()
-            self._steps[size] = GraphedStep(self._forward, size, self.device, self._graph_pool)
+            self._steps[size] = GraphedStep(self._forward, size, self.device, self.use_cuda_graphs)
         return self._steps[size]
 
 
@@ -214,27 +211,28 @@ def _capture_into(captured: dict[int, torch.Tensor], layer_idx: int):
 
 
 class GraphedStep:
-    """A fixed-shape ``forward(ids[1, size])`` with a static input buffer; on CUDA (``pool`` given)
-    captured as a graph on first use and replayed afterwards."""
+    """A fixed-shape ``forward(ids[1, size])`` with a static input buffer; with ``use_graph`` (CUDA)
+    captured as a graph on first use and replayed afterwards. Each graph has its own memory pool:
+    graphs sharing a pool must replay in capture order, and the decode loop mixes T = 1 and T = B."""
 
-    def __init__(self, forward, size: int, device: torch.device, pool) -> None:
+    def __init__(self, forward, size: int, device: torch.device, use_graph: bool) -> None:
         self.forward = forward
         self.ids = torch.zeros(1, size, dtype=torch.long, device=device)
-        self.pool = pool
+        self.use_graph = use_graph
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs = None
 
     def run(self, ids: torch.Tensor):
         self.ids.copy_(ids, non_blocking=True)
-        if self.pool is None:
+        if not self.use_graph:
             return self.forward(self.ids)
         if self.graph is None:
-            self.graph, self.outputs = capture_graph(lambda: self.forward(self.ids), self.pool)
+            self.graph, self.outputs = capture_graph(lambda: self.forward(self.ids))
         self.graph.replay()
         return self.outputs
 
 
-def capture_graph(fn, pool):
+def capture_graph(fn):
     """Capture ``fn()`` as a CUDA graph: two eager warm-up runs on a side stream (kernel selection,
     lazy allocations stay out of the graph), then the capture. Returns (graph, static outputs).
     The warm-up runs really execute: ``fn`` must only write state that the replay rewrites."""
@@ -245,6 +243,6 @@ def capture_graph(fn, pool):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph):
         outputs = fn()
     return graph, outputs
