@@ -213,6 +213,22 @@ def test_fp8_features_close_to_bf16_on_gpu(request, fixture):
     assert got.dtype == torch.bfloat16 and got.shape == expected.shape
     assert not torch.equal(got, expected)  # the FP8 path really ran
     assert cosine(got, expected) > 0.99
+    assert type(fp8.decoder.layers[0].mlp.up_proj.weight).__name__ == "Float8Tensor"
+    assert type(fp8.lm_head.weight) is nn.Parameter and fp8.lm_head.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.gpu
+def test_fp8_target_compiles_regionally_on_gpu(tiny_qwen3_dir):
+    # target.compile after quantization: the compiled MLP / attention regions trace the float8 linears.
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs FP8 tensor cores (sm89+)")
+    pytest.importorskip("torchao")
+    cfg = TargetConfig(path=str(tiny_qwen3_dir), dtype="bfloat16", target_layer_ids=[0, 1], fp8=True)
+    eager = load_target(cfg, "cuda")
+    compiled = load_target(cfg, "cuda", compile_regions=True)
+    assert compiled.decoder.layers[0].mlp._compiled_call_impl is not None
+    ids = torch.randint(0, eager.vocab_size, (1, 128), generator=torch.Generator().manual_seed(1)).cuda()
+    assert cosine(compiled.features(ids), eager.features(ids)) > 0.999
 
 
 # ----------------------------------------------------------------------------- bench
