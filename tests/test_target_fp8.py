@@ -190,6 +190,26 @@ def test_load_target_quantizes_and_records_it(monkeypatch, tiny_hybrid_dir):
     assert "linear" not in plain.kernels
 
 
+def test_real_torchao_converts_the_planned_linears_on_cpu(monkeypatch):
+    # Pins torchao's API names and filter_fn contract where torchao is installed (not in CI): with its
+    # CUDA-capability assertion stood down, torch's CPU _scaled_mm runs the same Float8Tensor path.
+    pytest.importorskip("torchao")
+    from torchao.quantization import quant_api
+
+    monkeypatch.setattr(quant_api, "_check_hardware_support", lambda granularity: None)
+    model, tokenizer = load_causal_lm(
+        "preset:tiny-qwen3", dtype=torch.bfloat16, device=torch.device("cpu"), trust_remote_code=False
+    )
+    ids = torch.randint(0, 320, (2, 64), generator=torch.Generator().manual_seed(0))
+    expected = target_module.FrozenTarget(model, tokenizer, [0, 1]).features(ids)
+    summary = quantize_target_linears(model)
+    assert summary.kernel_entries() == {"linear": "fp8-torchao rowwise (21 of 21 decoder linears)"}
+    assert {type(m.weight).__name__ for m in decoder_linears(model).values()} == {"Float8Tensor"}
+    assert type(model.lm_head.weight) is nn.Parameter
+    got = target_module.FrozenTarget(model, tokenizer, [0, 1]).features(ids)
+    assert not torch.equal(got, expected) and cosine(got, expected) > 0.99
+
+
 # ----------------------------------------------------------------------------- GPU fidelity
 
 
