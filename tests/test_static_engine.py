@@ -192,3 +192,43 @@ def test_unknown_decode_engine_is_rejected(tokenizer):
 
     with pytest.raises(ValueError, match="decode_engine"):
         EvalOptions(target="t", drafter="d", prompts=["p.jsonl"], decode_engine="fast")
+
+
+def test_eval_command_reports_the_decode_engine(tiny_qwen3_dir, tiny_hybrid_dir, tmp_path, capsys):
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_train.cli import main
+    from dflash_train.config import DrafterConfig
+    from dflash_train.models import presets
+    from dflash_train.models.drafter import DFlashDrafter
+    from dflash_train.models.export import save_drafter
+
+    for directory, name in ((tiny_qwen3_dir, "qwen3"), (tiny_hybrid_dir, "hybrid")):
+        model = AutoModelForCausalLM.from_pretrained(directory)
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        config = presets.resolve_drafter_config(
+            DrafterConfig(preset="tiny", block_size=BLOCK), model.config, target_layer_ids=LAYER_IDS,
+            mask_token_id=tokenizer.mask_token_id, torch_dtype="float32",
+        )  # fmt: skip
+        save_drafter(DFlashDrafter(config), config, tmp_path / name, dtype="float32")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "def add(a, b):"}\n{"prompt": "class Point:"}\n')
+    base = ["eval", "--prompts", str(tmp_path / "p.jsonl"),
+            "--max-new-tokens", "9", "--device", "cpu", "--no-progress", "--json", "--tau-mode", "decode"]  # fmt: skip
+    for engine, name in (("static", "static-eager"), ("dynamic", "eager-dynamic")):
+        qwen3 = ["--target", str(tiny_qwen3_dir), "--drafter", str(tmp_path / "qwen3")]
+        assert main([*base, *qwen3, "--decode-engine", engine]) == 0
+        captured = capsys.readouterr()
+        result = json.loads(captured.out.strip().splitlines()[-1])
+        assert result["decode_engine"] == name and result["decode_engines"] == {"plain": name, "dflash": name}
+        assert result["lossless"] is True
+        assert f"eval: real decoding on plain: {name}, dflash: {name}" in captured.err
+    # A hybrid target: static is a clear error, auto says it runs the dynamic engine.
+    hybrid = ["--target", str(tiny_hybrid_dir), "--drafter", str(tmp_path / "hybrid")]
+    assert main([*base, *hybrid, "--decode-engine", "static", "--tau-mode", "exact"]) == 1
+    assert "--decode-engine static cannot run this target: GatedDeltaNet" in capsys.readouterr().err
+    assert main([*base, *hybrid, "--decode-engine", "auto"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.strip().splitlines()[-1])["decode_engine"] == "eager-dynamic"
+    assert "eval: decode engine eager-dynamic (the static engine cannot run this target" in captured.err

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from dflash_train.eval.engines import resolve_decode_engine
 from dflash_train.eval.exact import exact_generations
 from dflash_train.eval.generate import greedy_continuations, pad_token_for
 from dflash_train.eval.options import EvalOptions
@@ -35,6 +36,8 @@ def run_eval(options: EvalOptions) -> dict[str, Any]:
     dtype = resolve_eval_dtype(options.dtype, device)
     torch.manual_seed(options.seed)
     target_model, tokenizer = load_eval_target(options.target, dtype, device, options.allow_slow_kernels)
+    if options.decode_engine == "static":  # refuse before any (long) exact-mode phase, not after it
+        resolve_decode_engine(target_model, "static")
     drafter = load_eval_drafter(options.drafter, device, dtype)
     frozen = check_drafter_fits(drafter.config, target_model, tokenizer)
     bad_rows = BadPromptRows(options.max_bad_rows)

@@ -71,6 +71,7 @@ def decode(
     """Prefill, then ``run_round`` until ``max_new_tokens`` or EOS. Wall time includes the prefill."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens}: use >= 1")
+    _synchronize(session.device)  # earlier queued GPU work (a previous request) must not count here
     started = time.perf_counter()
     if proposer is not None:
         proposer.start(prompt_ids)
@@ -214,6 +215,6 @@ def _truncate_at_eos(output: list[int], eos_token_ids: Collection[int]) -> list[
 
 
 def _synchronize(device: torch.device) -> None:
-    # Timing must include queued GPU work; the loop already syncs each round, this covers the tail.
+    # Timing must include queued GPU work; the loop already syncs each round, this covers the ends.
     if device.type == "cuda":
         torch.cuda.synchronize(device)
