@@ -120,6 +120,30 @@ def test_static_plain_decoding_equals_dynamic(setup):
         assert plain_generate(static, prompt, max_new_tokens=MAX_NEW).tokens == dynamic.tokens == continuation
 
 
+def test_static_features_and_logits_match_the_hooks(setup):
+    """Prefill, a padded verify (2 tokens in the 4-token step), a rollback and a 1-token step: the
+    same logits and feature-layer outputs as TargetSession's hooks (layer 2 is the last layer: its
+    pre-norm output, not HF's post-norm last hidden state)."""
+    model, prompts, continuations, _ = setup
+    prompt, tokens = torch.tensor(prompts[0]), continuations[0]
+    static = StaticTargetSession(model, LAYER_IDS, max_length=max_length(prompts), graph_sizes=(1, BLOCK))
+    with TargetSession(model, LAYER_IDS) as dynamic:
+        steps = [
+            (lambda s: s.prefill(prompt), None),
+            (lambda s: s.verify(torch.tensor(tokens[:2])), 1),  # keep 1 of 2: roll back one slot
+            (lambda s: s.verify(torch.tensor(tokens[1:2])), 1),
+            (lambda s: s.verify(torch.tensor(tokens[2:6])), 4),
+        ]
+        for run, keep in steps:
+            want, got = run(dynamic), run(static)
+            torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got.features, want.features, rtol=1e-5, atol=1e-5)
+            if keep is not None:
+                dynamic.commit(keep)
+                static.commit(keep)
+        assert static.length == dynamic.length == len(prompts[0]) + 6
+
+
 @pytest.mark.parametrize("stop_early", [False, True], ids=["max_new_tokens", "eos"])
 def test_static_dflash_equals_dynamic(setup, stop_early):
     model, prompts, continuations, drafter = setup

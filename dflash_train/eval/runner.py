@@ -118,7 +118,7 @@ def engine_for(target_model, decode_engine: str, methods: Sequence[Method], prom
     block_sizes = sorted({m.block_size for m in chains}) or [1]
     layer_ids = next((m.target_layer_ids for m in chains if m.target_layer_ids), ())
     max_block = max(block_sizes)
-    max_length = max(len(p) for p in prompts) + max(max_new_tokens, 2 * max_block, 8) + max_block
+    max_length = max((len(p) for p in prompts), default=1) + max(max_new_tokens, 2 * max_block, 8) + max_block
     return build_decode_engine(
         target_model,
         decode_engine,
