@@ -256,3 +256,21 @@ def test_eval_command_reports_the_decode_engine(tiny_qwen3_dir, tiny_hybrid_dir,
     captured = capsys.readouterr()
     assert json.loads(captured.out.strip().splitlines()[-1])["decode_engine"] == "eager-dynamic"
     assert "eval: decode engine eager-dynamic (the static engine cannot run this target" in captured.err
+
+
+@pytest.mark.gpu
+def test_cuda_graph_engine_equals_dynamic_in_fp32(setup, tokenizer):
+    """On a GPU the graphed steps (captured in evaluate's warm-up) give the dynamic engine's tokens."""
+    import copy
+
+    model, prompts, _, drafter = setup
+    model, drafter = copy.deepcopy(model).cuda(), copy.deepcopy(drafter).cuda()
+    kwargs = dict(max_new_tokens=MAX_NEW, methods=("dflash",), eos_token_ids=set())
+    dynamic = evaluate(model, tokenizer, drafter, prompts, decode_engine="dynamic", **kwargs)
+    static = evaluate(model, tokenizer, drafter, prompts, decode_engine="static", **kwargs)
+    assert static["decode_engine"] == "static-cudagraph"
+    for name in ("plain", "dflash"):
+        assert [g.tokens for g in static["generations"][name]] == [
+            g.tokens for g in dynamic["generations"][name]
+        ]
+        assert [g.tau for g in static["generations"][name]] == [g.tau for g in dynamic["generations"][name]]
