@@ -214,7 +214,7 @@ def test_real_torchao_converts_the_planned_linears_on_cpu(monkeypatch):
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    return torch.nn.functional.cosine_similarity(a.flatten().float(), b.flatten().float(), dim=0).item()
+    return torch.nn.functional.cosine_similarity(a.flatten().double(), b.flatten().double(), dim=0).item()
 
 
 @pytest.mark.gpu
