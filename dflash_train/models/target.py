@@ -408,6 +408,8 @@ def load_target(
     (benchmarks) builds a ``preset:`` target only up to ``max(target_layer_ids)``; a checkpoint is
     always loaded whole because eval and regeneration need every layer. ``compile_regions`` (the
     training feature pass, ``target.compile``) applies ``compile_target_regions`` on CUDA.
+    ``cfg.fp8`` is checked before any weight loads and converts the decoder linears to FP8 before
+    that compilation (``models/target_fp8.py``).
     """
     device = torch.device(device)
     dtype = resolve_dtype(cfg.dtype)
