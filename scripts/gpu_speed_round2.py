@@ -116,7 +116,7 @@ def gpu_busy_fraction(fn, path: Path) -> float:
         torch.cuda.synchronize()
         wall_us = (time.perf_counter() - start) * 1e6
     averages = prof.key_averages()
-    busy_us = sum(getattr(e, "self_device_time_total", 0.0) or e.self_cuda_time_total for e in averages)
+    busy_us = sum(getattr(e, "self_device_time_total", 0.0) for e in averages)
     path.write_text(averages.table(sort_by="self_cuda_time_total", row_limit=40, max_name_column_width=90))
     return busy_us / wall_us
 
@@ -166,7 +166,7 @@ def section_target(args, state) -> None:
         del features
     state["best_variant"] = best[1]
     bindings.apply(best[1])
-    for variant in ("regions", best[1]) if best[1] != "regions" else ("regions",):
+    for variant in (("regions", best[1]) if best[1] != "regions" else ("regions",)) if args.long else ():
         if time.perf_counter() - STARTED > args.budget_s:
             break
         bindings.apply(variant)
