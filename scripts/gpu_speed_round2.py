@@ -140,7 +140,7 @@ def section_target(args, state) -> None:
     mask = torch.ones_like(ids)
     reference = None
     best = (float("inf"), "regions")
-    for variant in ("regions", "regions+fused", "layers+fused"):
+    for variant in args.variants.split(","):
         if time.perf_counter() - STARTED > args.budget_s:
             record("target", variant, skipped="budget")
             continue
