@@ -262,8 +262,14 @@ def main() -> None:
     parser.add_argument("--only", default="target,step,drafter")
     parser.add_argument("--budget-s", type=float, default=500.0)
     parser.add_argument(
-        "--variant", default="layers+fused", help="binding when the target section is skipped"
+        "--variant", default="regions+fused", help="binding when the target section is skipped"
     )
+    parser.add_argument(
+        "--variants",
+        default="regions,regions+fused,layers+fused",
+        help="target bindings to compare (eager = no compile, transformers' forward); the first is the reference",
+    )
+    parser.add_argument("--long", action="store_true", help="also time the 32K feature pass per variant")
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     state: dict = {}
