@@ -3,8 +3,8 @@
 Sections (results appended to $OUT/speed.jsonl as they come, a table printed last):
   target   the truncated target's feature pass at 1 x 4096 (and 1 x 32768) under each binding:
            regions = compile_target_regions + transformers' GatedDeltaNet forward (the old default),
-           regions+fused = the same with models/gated_delta_net.py's fused forward,
-           layers+fused = compile_target_layers (whole decoder-layer forwards) + the fused forward;
+           regions+fused = the same with models/gated_delta_net.py's fused forward (the default),
+           eager = neither (the bf16 noise floor of the feature error);
            the GPU-busy fraction of one profiled forward, and each variant's feature error
   step     full train steps at 1 x 4096 / 512 anchors and 1 x 32768 / 2048 with the fastest
            binding (profile table of one 4K step under $OUT)
@@ -78,31 +78,20 @@ class Bindings:
             m for m in self.model.modules() if getattr(m, "_compiled_call_impl", None) is not None
         ]
         self.region_impls = {id(m): m._compiled_call_impl for m in self.regions}
-        self.layer_forwards = None
 
     def apply(self, variant: str) -> None:
         from dflash_train.models.gated_delta_net import (
             bind_fused_gated_delta_net,
             unbind_fused_gated_delta_net,
         )
-        from dflash_train.models.target_kernels import compile_target_layers
 
         regions, compile_mode_fused = variant.split("+") if "+" in variant else (variant, "")
-        layers = self.model.get_decoder().layers
-        for layer in layers:  # layer compile off
-            layer.__dict__.pop("forward", None)
         for m in self.regions:
             m._compiled_call_impl = self.region_impls[id(m)] if regions == "regions" else None
         if compile_mode_fused == "fused":
             bind_fused_gated_delta_net(self.gdn)
         else:
             unbind_fused_gated_delta_net(self.gdn)
-        if regions == "layers":
-            if self.layer_forwards is None:
-                compile_target_layers(self.model)
-                self.layer_forwards = [layer.__dict__["forward"] for layer in layers]
-            for layer, forward in zip(layers, self.layer_forwards):
-                layer.forward = forward
 
 
 def gpu_busy_fraction(fn, path: Path) -> float:
@@ -266,7 +255,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--variants",
-        default="regions,regions+fused,layers+fused",
+        default="eager,regions,regions+fused",
         help="target bindings to compare (eager = no compile, transformers' forward); the first is the reference",
     )
     parser.add_argument("--long", action="store_true", help="also time the 32K feature pass per variant")

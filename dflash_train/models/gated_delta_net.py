@@ -33,8 +33,8 @@ FUSED_LAYOUT = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "conv1d", 
 def fla_chunk_rule() -> Callable:
     """fla's ``chunk_gated_delta_rule`` (imported lazily: fla is a GPU-only optional package).
 
-    Both fla entry points are opaque to ``torch.compile`` (a graph break around a Triton launch
-    with fla's own autotuning), so a compiled decoder layer fuses everything around them.
+    Both fla entry points are made opaque to ``torch.compile`` (a graph break around a Triton
+    launch with fla's own autotuning) should a caller compile the whole layer.
     """
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 

@@ -190,22 +190,6 @@ def check_fast_kernels(model: nn.Module, device: str | torch.device, allow_slow:
     return kernels
 
 
-def compile_target_layers(model: nn.Module) -> list[str]:
-    """torch.compile every decoder layer's forward, in place; returns the layer names.
-
-    Fuses what ``compile_target_regions`` cannot reach: each residual add with the RMSNorm after
-    it, and (with the fused GatedDeltaNet forward) the layer's whole body around fla's two
-    opaque kernels. The forward (not ``__call__``) is compiled, so the feature hooks that
-    ``FrozenTarget`` registers per call stay outside the compiled code and never cause a recompile.
-    """
-    decoder = model.get_decoder()
-    compiled = []
-    for index, layer in enumerate(decoder.layers):
-        layer.forward = torch.compile(layer.forward, dynamic=False)
-        compiled.append(f"layers.{index}")
-    return compiled
-
-
 def compile_target_regions(model: nn.Module) -> list[str]:
     """torch.compile the pure-PyTorch regions of every decoder layer, in place; returns their names.
 
