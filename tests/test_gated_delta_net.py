@@ -129,3 +129,31 @@ def test_fused_forward_matches_transformers_on_fla():
     got = features(model, ids).float()
     rel = (got - expected).norm() / expected.norm()
     assert rel < 2e-2, rel
+
+
+def test_compiled_layers_give_the_same_features_and_compile_once(hybrid):
+    """``target.compile_layers``: every decoder layer's forward compiled around the (opaque) kernels;
+    the layers of one type share their graphs, and a second forward compiles nothing new."""
+    from torch._dynamo.utils import counters
+
+    from dflash_train.models.target_kernels import compile_target_layers
+
+    torch._dynamo.reset()
+    layers = gated_delta_net_layers(hybrid)
+    bind_fused_gated_delta_net(
+        layers,
+        chunk_rule=torch.compiler.disable(reference_chunk_rule),
+        conv=torch.compiler.disable(reference_conv),
+    )
+    ids = torch.randint(0, 320, (1, 24))
+    expected = features(hybrid, ids)
+    assert len(compile_target_layers(hybrid)) == len(hybrid.model.layers)
+    counters.clear()
+    torch.testing.assert_close(features(hybrid, ids), expected, rtol=1e-5, atol=1e-5)
+    first = counters["stats"]["unique_graphs"]
+    torch.testing.assert_close(features(hybrid, ids), expected, rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == first  # no recompile on the second call
+    # One compiled entry per layer type (3 GatedDeltaNet layers share one, the attention layer
+    # has its own), not one per layer: 62 layers of the 27B target compile twice, not 62 times.
+    code = type(hybrid.model.layers[0]).forward.__code__
+    assert len(torch._dynamo.eval_frame._debug_get_cache_entry_list(code)) == 2

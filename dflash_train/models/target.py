@@ -33,6 +33,7 @@ from dflash_train.models.target_kernels import (
     bind_fla_causal_conv,
     bound_kernels,
     check_fast_kernels,
+    compile_target_layers,
     compile_target_regions,
     gated_delta_net_layers,
 )
@@ -407,7 +408,8 @@ def load_target(
     Feature layers are ``cfg.target_layer_ids`` or the DFlash default. ``truncate_unused_layers``
     (benchmarks) builds a ``preset:`` target only up to ``max(target_layer_ids)``; a checkpoint is
     always loaded whole because eval and regeneration need every layer. ``compile_regions`` (the
-    training feature pass, ``target.compile``) applies ``compile_target_regions`` on CUDA.
+    training feature pass, ``target.compile``) applies ``compile_target_regions`` on CUDA
+    (``compile_target_layers`` for an FP8 target).
     ``cfg.fp8`` is checked before any weight loads and converts the decoder linears to FP8 before
     that compilation (``models/target_fp8.py``).
     """
@@ -445,7 +447,8 @@ def load_target(
     if cfg.fp8:  # before compiling, so the compiled regions trace the float8 linears
         kernels.update(quantize_target_linears(model).kernel_entries())
     if compile_regions and device.type == "cuda":
-        compile_target_regions(model)
+        # FP8 linears need their activation quantization fused: whole layers (compile_target_layers).
+        (compile_target_layers if cfg.fp8 else compile_target_regions)(model)
     target = FrozenTarget(model, tokenizer, layer_ids, kernels=kernels)
     target.built_truncated = num_hidden_layers is not None
     return target
