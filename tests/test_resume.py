@@ -119,6 +119,42 @@ def test_sigkill_during_a_save_resumes_from_the_last_committed_step(task, tmp_pa
     assert [r["loss"] for r in resumed] == uninterrupted[4:]
 
 
+SIGTERM_DURING_FINAL_COMMIT = """
+import os, signal, sys
+from dflash_train.train import checkpoint as ckpt
+from dflash_train.train.trainer import train
+from tests.train_helpers import tiny_config
+real_close = ckpt.CheckpointWriter.close
+def close_after_a_sigterm(self):
+    os.kill(os.getpid(), signal.SIGTERM)  # a time limit that lands after the last step
+    real_close(self)
+ckpt.CheckpointWriter.close = close_after_a_sigterm
+task = {"target": sys.argv[1], "data": sys.argv[2], "cache": sys.argv[3]}
+train(tiny_config(task, sys.argv[4], "train.max_steps=4"))
+"""
+
+
+def test_a_sigterm_after_the_last_step_waits_for_the_final_commit_and_export(task, tmp_path):
+    """The loop is done and the last checkpoint is being committed when SIGTERM arrives (the case
+    of a run that stopped within seconds of its signal and left no checkpoint): the commit and the
+    export complete, and the run exits cleanly saying so."""
+    out = tmp_path / "run"
+    args = [
+        sys.executable,
+        "-c",
+        SIGTERM_DURING_FINAL_COMMIT,
+        task["target"],
+        task["data"],
+        task["cache"],
+        str(out),
+    ]
+    proc = subprocess.run(args, env=ENV, capture_output=True, text=True)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert "SIGTERM received after the last step" in proc.stderr
+    assert ckpt.latest_checkpoint(out).name == "step-00000004"
+    assert (out / "export" / "config.json").is_file()
+
+
 # ----------------------------------------------------------------------------- refused resumes
 
 

@@ -23,7 +23,7 @@ from dflash_train.train.builders import (
     build_target,
     seed_everything,
 )
-from dflash_train.train.faults import GracefulStop, Watchdog
+from dflash_train.train.faults import GracefulStop, Watchdog, report_deferred_stop
 from dflash_train.train.heldout_eval import build_heldout_eval
 from dflash_train.train.heldout_eval import evaluate as evaluate_heldout
 from dflash_train.train.logging import MetricsLogger, log_main
@@ -59,11 +59,15 @@ def train_colocated(cfg: RunConfig, hooks: TrainHooks) -> dict[str, Any]:
     info = init_distributed(cfg.train.device, timeout_s=cfg.train.dist_timeout_s)
     run = build_run(cfg, info)
     logger = open_logger(run)
-    try:
-        last_loss, saved = train_loop(run, hooks, logger)
-    finally:
-        run.writer.close()  # the last checkpoint is committed before the export and the exit
-    export = export_final(run) if run.step >= run.total_steps else None
+    # A SIGTERM after the loop (the run's last step done) must not cut the last checkpoint's commit
+    # or the export in half: it is deferred until both are written, then the run exits as usual.
+    with GracefulStop() as late:
+        try:
+            last_loss, saved = train_loop(run, hooks, logger)
+        finally:
+            run.writer.close()  # the last checkpoint is committed before the export and the exit
+        export = export_final(run) if run.step >= run.total_steps else None
+    report_deferred_stop(late)
     logger.close()
     return run_result(run, logger, last_loss, saved, export)
 

@@ -59,6 +59,17 @@ class GracefulStop:
         self.signal_name = signal.Signals(signum).name
 
 
+def report_deferred_stop(stop: GracefulStop) -> None:
+    """Say that a signal which arrived after the training loop waited for the final save and export."""
+    if stop.requested:
+        print(
+            f"{stop.signal_name} received after the last step: the final checkpoint and export were "
+            "written first; exiting",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 class Watchdog:
     """A daemon thread that dumps all thread stacks when ``beat`` has not been called for ``timeout_s``.
 

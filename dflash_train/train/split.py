@@ -38,7 +38,7 @@ from dflash_train.data.batching import Batch
 from dflash_train.models.dtypes import DTYPES, resolve_dtype
 from dflash_train.train import builders
 from dflash_train.train import checkpoint as ckpt
-from dflash_train.train.faults import GracefulStop, Watchdog, any_rank_flags
+from dflash_train.train.faults import GracefulStop, Watchdog, any_rank_flags, report_deferred_stop
 from dflash_train.train.logging import log_main, set_main_rank
 from dflash_train.train.loss import add_metrics
 from dflash_train.train.parallel import DistInfo, init_distributed, use_expandable_segments, wrap_drafter
@@ -265,33 +265,40 @@ def run_drafter_rank(
     timer, window = PhaseTimer(info.device), LogWindow(run.step)
     last_loss, saved, busy_s = float("nan"), None, 0.0
     stacks = Path(cfg.output_dir) / "watchdog-stacks.txt"
-    try:
-        with GracefulStop() as stop, Watchdog(cfg.train.watchdog_s, stacks) as watchdog:
-            while run.step < run.total_steps:
-                watchdog.beat(run.step)
-                t0, wait0 = time.perf_counter(), ctx.receiver.wait_s
-                vote = stop_vote(stop, hooks, layout.rank, run.step)
-                result = drafter_step(run, ctx, timer, hooks, stop_requested=vote)
-                busy_s += time.perf_counter() - t0 - (ctx.receiver.wait_s - wait0)
-                window.add(result)
-                stopping, reports = result["stop"], None
-                if report_step(cfg, run.step, run.total_steps, stopping):
-                    report = {"role": "drafter", "busy_s": busy_s, "seconds": window.seconds()}
-                    reports, busy_s = exchange_reports(layout, {**report, **ctx.receiver.take_stats()}), 0.0
-                if window.due(run, stopping):
-                    row = split_log_row(run, result, window, timer, reports)
-                    last_loss = row["loss"]
-                    logger.log(run.step, row)
-                logger.advance(run.step)
-                if save_due(run, stopping):
-                    saved = save(run, **split_train_state(run, ctx, reports))
-                if stopping:
-                    drain(run, ctx)
-                    log_main(f"stop requested: saved {saved} at step {run.step}; exiting")
-                    break
-    finally:
-        run.writer.close()  # the last checkpoint is committed before the export and the exit
-    export = export_final(run) if run.step >= run.total_steps else None
+    # A SIGTERM after the loop must not cut the last checkpoint's commit or the export in half:
+    # it is deferred until both are written, then the rank exits as usual.
+    with GracefulStop() as late:
+        try:
+            with GracefulStop() as stop, Watchdog(cfg.train.watchdog_s, stacks) as watchdog:
+                while run.step < run.total_steps:
+                    watchdog.beat(run.step)
+                    t0, wait0 = time.perf_counter(), ctx.receiver.wait_s
+                    vote = stop_vote(stop, hooks, layout.rank, run.step)
+                    result = drafter_step(run, ctx, timer, hooks, stop_requested=vote)
+                    busy_s += time.perf_counter() - t0 - (ctx.receiver.wait_s - wait0)
+                    window.add(result)
+                    stopping, reports = result["stop"], None
+                    if report_step(cfg, run.step, run.total_steps, stopping):
+                        report = {"role": "drafter", "busy_s": busy_s, "seconds": window.seconds()}
+                        reports, busy_s = (
+                            exchange_reports(layout, {**report, **ctx.receiver.take_stats()}),
+                            0.0,
+                        )
+                    if window.due(run, stopping):
+                        row = split_log_row(run, result, window, timer, reports)
+                        last_loss = row["loss"]
+                        logger.log(run.step, row)
+                    logger.advance(run.step)
+                    if save_due(run, stopping):
+                        saved = save(run, **split_train_state(run, ctx, reports))
+                    if stopping:
+                        drain(run, ctx)
+                        log_main(f"stop requested: saved {saved} at step {run.step}; exiting")
+                        break
+        finally:
+            run.writer.close()  # the last checkpoint is committed before the export and the exit
+        export = export_final(run) if run.step >= run.total_steps else None
+    report_deferred_stop(late)
     logger.close()
     return {"role": "drafter", **run_result(run, logger, last_loss, saved, export)}
 
