@@ -1,4 +1,4 @@
-"""The analytic flex BlockMask equals create_block_mask's and attends as the dense ``_visible`` rule."""
+"""The analytic flex BlockMask equals create_block_mask's and attends as the dense ``visible`` rule."""
 
 import itertools
 import warnings
@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from dflash_train.models.masks import LayerMaskSpec, _visible, build_flex_block_mask
+from dflash_train.models.masks import LayerMaskSpec, build_flex_block_mask, visible
 
 SPECS = [
     LayerMaskSpec(window=None, causal=False),
@@ -87,7 +87,7 @@ def test_flex_with_analytic_mask_matches_dense_rule(spec: LayerMaskSpec) -> None
     q_idx = torch.arange(num_queries)[:, None]
     kv_idx = torch.arange(context_len + num_queries)
     block_idx = kv_idx - context_len
-    keep = _visible(
+    keep = visible(
         spec,
         anchor=anchors[:, q_idx // block_size],  # [R, Q, 1]
         q_slot=q_idx // block_size,

@@ -10,7 +10,7 @@ fixed-shape step per round that
    land on slots at or after the block's start, which no query sees and the next round overwrites;
 2. runs the block ``[last token, MASK * (B-1)]`` at positions start..start+B-1 through the drafter's
    layers (``forward_with_context_kv``) with a mask over the whole buffer built from the start
-   tensor by the same visibility rule as training (``masks._visible``): context slot p is visible
+   tensor by the same visibility rule as training (``masks.visible``): context slot p is visible
    iff p < start (and inside the window for sliding layers);
 3. applies the final norm, the target's LM head and argmax: B-1 draft tokens.
 
@@ -30,7 +30,7 @@ import torch
 
 from dflash_train.eval.proposers import DFlashProposer, Draft, Proposer
 from dflash_train.eval.static_session import GraphedStep
-from dflash_train.models.masks import _visible, masked_sdpa
+from dflash_train.models.masks import masked_sdpa, visible
 
 
 class StaticDFlashProposer(Proposer):
@@ -80,7 +80,7 @@ class StaticDFlashProposer(Proposer):
         spec = self.drafter.mask_specs[layer_type]
         slots = torch.arange(self.capacity, device=self.device)
         k = self._offsets
-        keep = _visible(
+        keep = visible(
             spec,
             anchor=self._block_start,
             q_slot=torch.zeros(1, device=self.device, dtype=torch.long),

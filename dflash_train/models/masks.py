@@ -1,6 +1,6 @@
 """Training and inference attention for DFlash blocks: flex BlockMask and chunked SDPA, same semantics.
 
-One visibility rule (DESIGN.md section 1), written once in ``_visible`` and used by every backend.
+One visibility rule (DESIGN.md section 1), written once in ``visible`` and used by every backend.
 A block token at block position k of anchor a sees
 - context features at positions p < a (the anchor's own feature does not exist yet at inference);
   in a sliding layer only p >= a + k - (window - 1);
@@ -63,7 +63,7 @@ class LayerMaskSpec:
         return cls(window=None, causal=False)
 
 
-def _visible(
+def visible(
     spec: LayerMaskSpec,
     anchor: Tensor,
     q_slot: Tensor,
@@ -121,12 +121,12 @@ def _flex_mask_mod(
     spec: LayerMaskSpec,
     context_start: Tensor | None = None,
 ) -> Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]:
-    """``_visible`` in flex's (b, h, q_idx, kv_idx) form, over the [P context ; A*B block tokens] keys."""
+    """``visible`` in flex's (b, h, q_idx, kv_idx) form, over the [P context ; A*B block tokens] keys."""
 
     def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         q_slot = q_idx // block_size
         block_idx = kv_idx - context_len  # negative for context keys; masked by is_context
-        return _visible(
+        return visible(
             spec,
             anchor=anchors[b, q_slot],
             q_slot=q_slot,
@@ -150,7 +150,7 @@ def flex_tile_visibility(
 ) -> tuple[Tensor, Tensor]:
     """(any, full) [R, nq, nk] bool: whether some / every query of each 128 x 128 tile sees its keys.
 
-    ``_visible`` read as intervals of the KV index space: query i (slot s = i // B, block position
+    ``visible`` read as intervals of the KV index space: query i (slot s = i // B, block position
     k = i % B, anchor a in [0, P]) sees the context [lo, a) with lo = max(0, a + k -
     (window - 1)) in a sliding layer (else 0), and the block tokens [P + s*B, P + s*B + (k + 1 if
     causal else B)); in a packed row lo is also at least the anchor's ``context_start``. The tiles are classified from these 2 intervals per query, never from the
@@ -229,7 +229,7 @@ def build_flex_block_mask(
     """BlockMask over [A*B block queries] x [context_len context ; A*B block tokens] for anchors [R, A].
 
     Built once per micro-batch and layer type, shared by all layers of that type. B=R, H=None
-    (broadcast over heads); ``mask_mod`` is ``_visible`` and runs on the partial tiles.
+    (broadcast over heads); ``mask_mod`` is ``visible`` and runs on the partial tiles.
     ``"analytic"`` (default) classifies the tiles with ``flex_tile_visibility``: a few small tensor
     ops, no compilation and no host sync. ``create_block_mask`` evaluates the rule on all Q x KV
     pairs instead: 7 + 5 ms per micro-batch on an H200 at 4,096 tokens and 512 anchors x 16
@@ -365,7 +365,7 @@ class ChunkedSdpaAttention:
         kv_k = torch.cat([torch.zeros_like(ctx_pos), q_k])
         pos = torch.cat([ctx_pos, torch.zeros_like(q_idx)])
         is_context = torch.arange(pos.numel(), device=device) < ctx_pos.numel()
-        mask = _visible(
+        mask = visible(
             self.spec,
             anchor=anchors.repeat_interleave(size, dim=1)[..., None],  # [R, n*B, 1]
             q_slot=q_slot[:, None],
@@ -437,7 +437,7 @@ class CachedBlockAttention:
     def __init__(self, start: int, block_size: int, spec: LayerMaskSpec, device: torch.device) -> None:
         k = torch.arange(block_size, device=device)
         ctx_pos = torch.arange(start, device=device)
-        self.mask = _visible(
+        self.mask = visible(
             spec,
             anchor=torch.tensor(start, device=device),
             q_slot=torch.zeros(1, device=device, dtype=torch.long),
