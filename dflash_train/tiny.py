@@ -76,6 +76,18 @@ def build_tiny_target(kind: str = "hybrid", vocab_size: int = 320, seed: int = 0
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 
 
+def sharpen(model: torch.nn.Module) -> torch.nn.Module:
+    """Scale a tiny random target's weight matrices x6 (embeddings aside) and its final norm x4, in
+    place: at the default init its greedy continuations repeat one token; sharpened they vary, so
+    drafts get accepted and rejected mid-block."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 2 and "embed" not in name:
+                param.mul_(6.0)
+        model.model.norm.weight.mul_(4.0)
+    return model
+
+
 def save_tiny_target(
     directory: str | Path, kind: str = "hybrid", seed: int = 0, corpus: Iterable[str] = DEFAULT_CORPUS
 ) -> Path:

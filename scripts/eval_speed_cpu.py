@@ -47,14 +47,9 @@ WORDS = [
 
 
 def sharp_target(tokenizer):
-    from dflash_train.tiny import build_tiny_target
+    from dflash_train.tiny import build_tiny_target, sharpen
 
-    model = build_tiny_target("hybrid", vocab_size=len(tokenizer))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.ndim == 2 and "embed" not in name:
-                param.mul_(6.0)
-        model.model.norm.weight.mul_(4.0)
+    model = sharpen(build_tiny_target("hybrid", vocab_size=len(tokenizer)))
     model.config.eos_token_id = tokenizer.eos_token_id
     return model
 

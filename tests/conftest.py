@@ -56,3 +56,21 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def one_thread_module():
+    """``one_thread`` for a whole module: modules of tiny-model tests take it with
+    ``pytestmark = pytest.mark.usefixtures("one_thread_module")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The tiny tokenizer of ``dflash_train.tiny`` (chat template, mask token)."""
+    from dflash_train.tiny import build_tokenizer
+
+    return build_tokenizer()

@@ -16,11 +16,6 @@ BUDGET = 512  # rows per batch: 8, 4, 2
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer()
-
-
-@pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "chat.jsonl"
     rows = []

@@ -26,11 +26,6 @@ SHAREGPT = {
 }
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer()
-
-
 def write_lines(path, lines):
     """Write raw lines (dicts become JSON, bytes are written as they are)."""
     with open(path, "wb") as fh:

@@ -47,11 +47,6 @@ CONVERSATION = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer()
-
-
 def with_template(tokenizer, template):
     copy = build_tokenizer()
     copy.chat_template = template

@@ -30,13 +30,7 @@ MAX_NEW = 1 + ROUNDS * BLOCK  # the prefill gives token 1, then every full round
 LAYER_IDS = (0, 2)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """Tiny matmuls run fastest on one thread (and do not fight parallel test workers for cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 @pytest.fixture(scope="module")

@@ -34,32 +34,14 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from dflash_train.tiny import build_tokenizer
-
-    return build_tokenizer()
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def sharp_target(kind: str, vocab_size: int):
-    """A tiny random target whose greedy continuations vary (weights x6, final norm x4)."""
-    from dflash_train.tiny import build_tiny_target
+    """A tiny random target whose greedy continuations vary (``tiny.sharpen``)."""
+    from dflash_train.tiny import build_tiny_target, sharpen
 
-    model = build_tiny_target(kind, vocab_size=vocab_size)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.ndim == 2 and "embed" not in name:
-                param.mul_(6.0)
-        model.model.norm.weight.mul_(4.0)
-    return model
+    return sharpen(build_tiny_target(kind, vocab_size=vocab_size))
 
 
 @pytest.fixture(scope="module", params=["hybrid", "qwen3"])

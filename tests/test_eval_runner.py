@@ -19,13 +19,7 @@ BLOCK = 4
 LAYER_IDS = [0, 2]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """Tiny matmuls run fastest on one thread (and do not fight parallel test workers for cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def load(directory):

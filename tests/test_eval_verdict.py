@@ -15,12 +15,7 @@ from dflash_train.eval.verdict import TIE_ULPS, tie_threshold, verdict, verdict_
 BLOCK = 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def make_drafter(model, tokenizer, seed=0):

@@ -18,15 +18,9 @@ from dflash_train.models.masks import (
     LayerMaskSpec,
     build_flex_block_mask,
 )
-from dflash_train.tiny import build_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile.*")
 BUCKETS, BUDGET = [64, 128, 256], 512
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return build_tokenizer()
 
 
 @pytest.fixture(scope="module")

@@ -23,19 +23,7 @@ MAX_NEW = 25
 TEXTS = ["def add(a, b): the quick brown fox", "for i in range(10):", "class Point:", "hi", "print(i * i)"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from dflash_train.tiny import build_tokenizer
-
-    return build_tokenizer()
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def tiny_llama(vocab_size: int):
@@ -57,16 +45,12 @@ def tiny_llama(vocab_size: int):
 
 
 def sharp_target(kind: str, vocab_size: int):
-    """A tiny random target whose greedy continuations vary (weights x6, final norm x4)."""
-    from dflash_train.tiny import build_tiny_target
+    """A tiny random target whose greedy continuations vary (``tiny.sharpen``)."""
+    from dflash_train.tiny import build_tiny_target, sharpen
 
-    model = tiny_llama(vocab_size) if kind == "llama" else build_tiny_target(kind, vocab_size=vocab_size)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.ndim == 2 and "embed" not in name:
-                param.mul_(6.0)
-        model.model.norm.weight.mul_(4.0)
-    return model
+    return sharpen(
+        tiny_llama(vocab_size) if kind == "llama" else build_tiny_target(kind, vocab_size=vocab_size)
+    )
 
 
 def fitted_drafter(model, tokenizer, prompts, continuations):
