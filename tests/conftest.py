@@ -1,3 +1,5 @@
+import contextlib
+
 import pytest
 import torch
 
@@ -48,24 +50,30 @@ def task(train_task):
     return train_task
 
 
+@contextlib.contextmanager
+def single_cpu_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def one_thread():
     """One CPU thread: tiny matmuls run faster, and spawned ranks / subprocesses (which run with one
     thread too) use the same kernels, so losses compare bit for bit."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with single_cpu_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
 def one_thread_module():
     """``one_thread`` for a whole module: modules of tiny-model tests take it with
     ``pytestmark = pytest.mark.usefixtures("one_thread_module")``."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with single_cpu_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
