@@ -16,8 +16,9 @@ What stays in bf16, and why:
 
 ``check_fp8_support`` refuses a setup that cannot run it (CPU, a GPU before sm89, no torchao, a
 dtype other than bfloat16) before any weight is loaded; ``quantize_target_linears`` converts a
-loaded model in place and returns what it did. Quantize before ``compile_target_regions``, so the
-compiled MLPs and attention blocks trace the float8 linears rather than the bf16 ones they replace.
+loaded model in place and returns what it did. Quantize before compiling: ``load_target`` then
+compiles an FP8 target's whole decoder layers (``compile_target_layers``), so every float8 linear's
+activation quantization fuses into the op before it instead of running as separate eager kernels.
 """
 
 from __future__ import annotations
