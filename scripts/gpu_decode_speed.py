@@ -7,7 +7,9 @@ Each engine runs ``runner.evaluate`` (untimed warm-up first: kernel selection an
 captures), so the numbers are exactly what ``eval`` reports. Without ``--drafter`` a random drafter
 of the target's shape times the block step (its tau is ~1 and means nothing). In bf16 the engines
 can differ at exact logit ties (a T = B verify and a T = 1 step round differently, and so do the
-two engines' attention kernels): the identical-output counts say how often.
+two engines' attention kernels): the identical-output counts say how often, and each engine's
+DFlash output is judged against its plain output by the eval's tie-aware verdict (a divergence at
+a top-2 gap within bf16 rounding is a tie; a wider one is a bug).
 
     PYTHONPATH=. python3 scripts/gpu_decode_speed.py --target /path/smollm2 --num-prompts 8 --max-new-tokens 256
     PYTHONPATH=. python3 scripts/gpu_decode_speed.py --preset tiny-qwen3 --device cpu --num-prompts 2 --max-new-tokens 16
@@ -30,6 +32,7 @@ import torch
 
 from dflash_train.eval.command import resolve_device, resolve_eval_dtype
 from dflash_train.eval.runner import default_eos_ids, evaluate
+from dflash_train.eval.verdict import verdict
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_eval_bench import build_drafter, build_target  # noqa: E402  (the same target/drafter setup)
@@ -64,6 +67,8 @@ def run_engine(model, tokenizer, drafter, prompts, eos, args, engine: str) -> di
     )  # fmt: skip
     total = time.perf_counter() - started
     dflash = report["methods"]["dflash"]
+    # Tie-aware: a divergence at a top-2 gap within bf16 rounding is a tie, anything wider a bug.
+    checked = verdict(dflash["divergences"], len(prompts), 0.0)
     return {
         "decode_engine": report["decode_engine"],
         "dflash_decode_engine": dflash["decode_engine"],
@@ -74,6 +79,8 @@ def run_engine(model, tokenizer, drafter, prompts, eos, args, engine: str) -> di
         "speedup": dflash["speedup"],
         "tau": dflash["tau"],
         "lossless": dflash["lossless"],
+        "lossless_up_to_ties": checked["lossless_up_to_ties"],
+        "clear_divergences": checked["num_clear_divergences"],
         "mismatched_prompts": dflash["mismatched_prompts"],
         "wall_with_warm_up_s": total,  # includes the warm-up and (static) the graph captures
         "_outputs": {name: [g.tokens for g in gens] for name, gens in report["generations"].items()},
@@ -134,14 +141,18 @@ def main() -> None:
 
 
 def print_table(result: dict) -> None:
-    print(f"\n{'engine':<18} {'plain tok/s':>12} {'dflash tok/s':>13} {'speedup':>8} {'tau':>6} lossless")
+    print(
+        f"\n{'engine':<18} {'plain tok/s':>12} {'dflash tok/s':>13} {'speedup':>8} {'tau':>6} "
+        "lossless (up to ties, clear divergences)"
+    )
     for name, row in result["engines"].items():
         if "error" in row:
             print(f"{name:<18} error: {row['error']}")
             continue
         print(
             f"{row['decode_engine']:<18} {row['plain_tokens_per_s']:>12.1f} {row['dflash_tokens_per_s']:>13.1f} "
-            f"{row['speedup']:>7.2f}x {row['tau']:>6.2f} {row['lossless']}"
+            f"{row['speedup']:>7.2f}x {row['tau']:>6.2f} {row['lossless']} "
+            f"({row['lossless_up_to_ties']}, {row['clear_divergences']})"
         )
     for pair, counts in result["identical_outputs"].items():
         print(
