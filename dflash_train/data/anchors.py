@@ -64,18 +64,7 @@ def sample_anchors(
     keys = torch.where(valid, keys, torch.full_like(keys, INT64_MAX))
     k = min(num_anchors, length - 1)
     smallest, positions = torch.topk(keys, k, dim=1, largest=False)  # [R, k]
-    keep = smallest < INT64_MAX
-    # Sort kept anchors ascending and push padding slots to the end (their order is irrelevant:
-    # they all become anchor 0 with keep=False, so tie order cannot change the result).
-    order_key = torch.where(keep, positions, positions + length)
-    order_key, _ = torch.sort(order_key, dim=1)
-    keep = order_key < length
-    anchors = torch.where(keep, order_key, torch.zeros_like(order_key))
-    if k < num_anchors:
-        pad = num_anchors - k
-        anchors = torch.cat([anchors, anchors.new_zeros(num_rows, pad)], dim=1)
-        keep = torch.cat([keep, keep.new_zeros(num_rows, pad)], dim=1)
-    return anchors, keep
+    return ascending_padded(positions, smallest < INT64_MAX, length, num_anchors)
 
 
 def packed_anchor_keys(seed: int, epoch: int, token_sample_index: Tensor, position_ids: Tensor) -> Tensor:
@@ -132,14 +121,20 @@ def sample_packed_anchors(
     order = by_key.gather(1, by_rank)  # [R, L-1] positions, best first
     k = min(num_anchors, length - 1)
     positions = order[:, :k]
-    keep = chosen.gather(1, positions)
+    return ascending_padded(positions, chosen.gather(1, positions), length, num_anchors)
+
+
+def ascending_padded(positions: Tensor, keep: Tensor, length: int, num_anchors: int) -> tuple[Tensor, Tensor]:
+    """Chosen ``positions`` [R, k] (``keep`` marks the real ones) -> (anchors, keep) [R, num_anchors]:
+    kept anchors ascending, then padding slots (anchor 0, keep False) up to ``num_anchors``. The
+    padding slots' order is irrelevant: they all become anchor 0, so tie order cannot change it."""
     order_key, _ = torch.sort(torch.where(keep, positions, positions + length), dim=1)
     keep = order_key < length
     anchors = torch.where(keep, order_key, torch.zeros_like(order_key))
-    if k < num_anchors:
-        pad = num_anchors - k
-        anchors = torch.cat([anchors, anchors.new_zeros(num_rows, pad)], dim=1)
-        keep = torch.cat([keep, keep.new_zeros(num_rows, pad)], dim=1)
+    pad = num_anchors - positions.shape[1]
+    if pad > 0:
+        anchors = torch.cat([anchors, anchors.new_zeros(anchors.shape[0], pad)], dim=1)
+        keep = torch.cat([keep, keep.new_zeros(keep.shape[0], pad)], dim=1)
     return anchors, keep
 
 
