@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from dflash_train.train import checkpoint as ckpt
 from dflash_train.train.trainer import train
 from tests.test_train_distributed import free_port
-from tests.train_helpers import spawn_ranks, tiny_config
+from tests.train_helpers import become_rank, spawn_ranks, tiny_config
 
 FSDP = ["train.parallel=fsdp", "checkpoint.every_steps=4"]
 
@@ -30,14 +30,7 @@ def rows(out_dir) -> list[dict]:
 
 def worker(rank: int, world: int, port: int, task: dict, runs: list, extra: list, die_at: int):
     """One rank: train each output dir of ``runs`` in turn; rank 1 dies mid-save of step ``die_at``."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
-    torch.set_num_threads(1)
+    become_rank(rank, world, port)
     if rank == 1 and die_at:
         real_writer = ckpt._storage_writer
 

@@ -13,7 +13,7 @@ import torch
 
 from dflash_train.config import load_config
 from dflash_train.train.run import TrainHooks
-from tests.train_helpers import WORDS, logged_losses, spawn_ranks, tiny_config, tiny_overrides
+from tests.train_helpers import WORDS, become_rank, logged_losses, spawn_ranks, tiny_config, tiny_overrides
 
 MAX_NEW_TOKENS = 24
 
@@ -190,10 +190,7 @@ def test_a_missing_prompt_file_fails_at_the_start(task, tmp_path):
 
 
 def rank_worker(rank: int, port: int, task: dict, out_dir: str, extra: list) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
-    )
-    torch.set_num_threads(1)
+    become_rank(rank, 2, port)
     from dflash_train.train.heldout_eval import drafter_copy
     from dflash_train.train.trainer import train
 

@@ -385,16 +385,11 @@ LOSS_OVERRIDES = ("train.loss=ce+kl", "train.kl_topk=8", "train.loss_weighting=d
 
 
 def two_rank_options_worker(rank: int, port: int, task: dict, out_dir: str, grads_path: str) -> None:
-    import os
-
     from dflash_train.train.trainer import train
     from tests.test_loss_wiring import gradient_saver
-    from tests.train_helpers import tiny_config
+    from tests.train_helpers import become_rank, tiny_config
 
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
-    )
-    torch.set_num_threads(1)
+    become_rank(rank, 2, port)
     cfg = tiny_config(task, out_dir, "train.max_steps=1", "train.parallel=ddp", *LOSS_OVERRIDES)
     train(cfg, gradient_saver(Path(grads_path)))
 

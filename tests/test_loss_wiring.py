@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 from pathlib import Path
@@ -15,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash_train.train.parallel import unwrap
 from dflash_train.train.trainer import TrainHooks, train
-from tests.train_helpers import spawn_ranks, tiny_config
+from tests.train_helpers import become_rank, spawn_ranks, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -74,10 +73,7 @@ def gradient_saver(path: Path) -> TrainHooks:
 
 
 def two_rank_worker(rank: int, port: int, task: dict, out_dir: str, grads_path: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
-    )
-    torch.set_num_threads(1)
+    become_rank(rank, 2, port)
     train(
         tiny_config(task, out_dir, "train.max_steps=1", "train.parallel=ddp"),
         gradient_saver(Path(grads_path)),

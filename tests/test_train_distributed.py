@@ -1,14 +1,13 @@
 """Two-rank training on CPU (gloo): DDP and FSDP2 train, and a NaN on one rank stops both."""
 
 import json
-import os
 import socket
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.train_helpers import logged_losses, spawn_ranks, tiny_config
+from tests.train_helpers import become_rank, logged_losses, spawn_ranks, tiny_config
 
 
 def free_port() -> int:
@@ -20,14 +19,7 @@ def free_port() -> int:
 def worker(
     rank: int, world: int, port: int, task: dict, out_dir: str, extra: list, mode: str, result_dir: str
 ):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
-    torch.set_num_threads(1)
+    become_rank(rank, world, port)
     from dflash_train.train.trainer import NonFiniteError, TrainHooks, train
 
     outcome = {"rank": rank}

@@ -3,6 +3,7 @@
 import faulthandler
 import gc
 import json
+import os
 import random
 import sys
 import time
@@ -77,6 +78,19 @@ def tiny_overrides(task, out_dir, *extra) -> list[str]:
 def logged_losses(out_dir) -> dict[int, float]:
     rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows}
+
+
+def become_rank(rank: int, world: int, port: int) -> None:
+    """Inside a spawned worker: the torchrun environment of ``rank`` of ``world`` on a local port,
+    and one CPU thread (ranks compare bit for bit with a one-thread single process)."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
 
 
 def _bounded_worker(index: int, fn, dump_after_s: float, *args) -> None:
