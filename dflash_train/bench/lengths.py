@@ -21,7 +21,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash_train.bench.train_step import BenchOptions, bench_config, build_bench_run, time_train_steps
+from dflash_train.bench.train_step import (
+    BenchOptions,
+    bench_config,
+    build_bench_run,
+    result_header,
+    time_train_steps,
+)
 from dflash_train.data.cache import TokenizedData
 from dflash_train.data.loader import TrainData
 from dflash_train.data.skips import SkipCounts
@@ -139,11 +145,7 @@ def run_lengths_bench(args: BenchOptions) -> dict[str, Any]:
     use_expandable_segments()  # the allocator configuration training uses
     device = pick_device(args.device)
     return {
-        "preset": args.preset,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "seq_len": seq_len,
-        "rows": args.rows,
-        "num_anchors": anchors,
+        **result_header(args, device, seq_len, anchors),
         **run_length_bench(args, cfg, seq_len, device),
         "torch": torch.__version__,
     }

@@ -173,11 +173,7 @@ def run_bench(args: BenchOptions) -> dict[str, Any]:
         flops["total"] += teacher_flops(run.target.config, run.draft_config, seq_len, anchors, args.rows)
     device = run.info.device
     return {
-        "preset": args.preset,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "seq_len": seq_len,
-        "rows": args.rows,
-        "num_anchors": anchors,
+        **result_header(args, device, seq_len, anchors),
         "block_size": run.draft_config.block_size,
         "drafter_only": bool(args.drafter_only),
         "objective": cfg.train.loss,
@@ -195,6 +191,17 @@ def run_bench(args: BenchOptions) -> dict[str, Any]:
         "mfu": mfu(flops["total"], result["step_s"]),
         "target_kernels": run.target.kernels,
         "torch": torch.__version__,
+    }
+
+
+def result_header(args: BenchOptions, device: torch.device, seq_len: int, anchors: int) -> dict[str, Any]:
+    """The shape and machine fields every bench result starts with."""
+    return {
+        "preset": args.preset,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "seq_len": seq_len,
+        "rows": args.rows,
+        "num_anchors": anchors,
     }
 
 
