@@ -10,7 +10,14 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash_train.eval.prompts import BadPromptRows, load_prompt_file
-from dflash_train.eval.verdict import TIE_ULPS, tie_threshold, verdict, verdict_line
+from dflash_train.eval.verdict import (
+    TIE_ULPS,
+    describe_divergence,
+    divergence_line,
+    tie_threshold,
+    verdict,
+    verdict_line,
+)
 
 BLOCK = 4
 
@@ -73,8 +80,112 @@ def test_a_broken_verifier_is_reported_as_a_clear_margin_bug(tiny_qwen3_dir, mon
     divergences = report["methods"]["dflash"]["divergences"]
     assert report["methods"]["dflash"]["lossless"] is False and len(divergences) == 1
     assert divergences[0]["is_tie"] is False
-    assert divergences[0]["reference_top2_gap"] > 100 * divergences[0]["tie_threshold"]
+    assert divergences[0]["logit_margin"] > 100 * divergences[0]["tie_threshold"]
     assert "bug" in verdict_line(verdict(divergences, 1, 0.0))
+
+
+def plant_near_tie(model, context):
+    """Make the target's next token after ``context`` an exact two-way tie: the embedding row (the
+    LM head is tied) of the best-ranked token outside ``context`` becomes a copy of the top
+    token's. Returns (top, partner, the token the target ranks last)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([context])).logits[0, -1].float()
+        order = logits.argsort(descending=True).tolist()
+        top = order[0]
+        partner = next(t for t in order[1:] if t not in context)
+        embedding = model.get_input_embeddings().weight
+        embedding[partner] = embedding[top]
+    assert model.get_output_embeddings().weight.data_ptr() == embedding.data_ptr()  # tied head
+    return top, partner, order[-1]
+
+
+@pytest.fixture
+def bf16_near_tie(tiny_qwen3_dir):
+    """The tiny Qwen3 target in bf16 with a prompt whose next token is a planted near-tie."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.bfloat16).eval()
+    prompt = AutoTokenizer.from_pretrained(tiny_qwen3_dir)("def add(a, b):")["input_ids"]
+    top, partner, last = plant_near_tie(model, prompt)
+    return model, prompt, top, partner, last
+
+
+def test_a_last_ranked_token_at_a_near_tie_is_a_clear_divergence(bf16_near_tie):
+    """The target's top-2 gap being small says nothing about the emitted token: a token the target
+    ranks last, emitted where its top two are tied, is a bug, not a tie."""
+    model, prompt, top, _, last = bf16_near_tie
+    d = describe_divergence(model, prompt, [top, 5], [last, 5], 0)
+    assert d["reference_top2_gap"] <= d["tie_threshold"]  # the planted near-tie
+    assert d["speculative_rank"] == model.config.vocab_size - 1
+    assert d["logit_margin"] > 10 * d["tie_threshold"]
+    assert d["is_tie"] is False
+    assert "rank 319" in divergence_line(d) and "CLEAR MARGIN (bug)" in divergence_line(d)
+    assert "bug" in verdict_line(verdict([d], 1, 0.0))
+
+
+def test_the_tied_partner_is_a_tie_both_ways_and_a_wide_margin_is_not(bf16_near_tie):
+    model, prompt, top, partner, last = bf16_near_tie
+    for reference, emitted in ((top, partner), (partner, top)):
+        d = describe_divergence(model, prompt, [reference], [emitted], 0)
+        assert abs(d["logit_margin"]) <= d["tie_threshold"] and d["is_tie"] is True
+        assert d["speculative_rank"] <= 1 and divergence_line(d).endswith(": tie")
+    assert verdict_line(verdict([d], 1, 0.0)).startswith("lossless up to ties")
+    # The emitted token far ABOVE the reference's: the plain reference picked a clearly worse
+    # token, which is no tie either.
+    d = describe_divergence(model, prompt, [last], [top], 0)
+    assert d["logit_margin"] < -10 * d["tie_threshold"] and d["is_tie"] is False
+
+
+def test_a_length_only_difference_is_never_a_tie(bf16_near_tie):
+    """An output cut short (or running on) at a near-tie is a clear divergence."""
+    model, prompt, top, _, _ = bf16_near_tie
+    for reference, output, ended in (([top, 5], [], "speculative"), ([], [top], "target")):
+        d = describe_divergence(model, prompt, reference, output, 0)
+        assert d["position"] == 0 and d["reference_top2_gap"] <= d["tie_threshold"]
+        assert d["logit_margin"] is None and d["speculative_rank"] is None
+        assert d["is_tie"] is False
+        assert f"the {ended} output ends here" in divergence_line(d)
+        assert verdict([d], 1, 0.0)["num_clear_divergences"] == 1
+
+
+def test_a_verifier_that_picks_the_last_token_at_near_ties_is_a_clear_margin_bug(tiny_qwen3_dir, monkeypatch):
+    """Plant a bug that strikes only at near-ties (there the verifier takes the target's last-ranked
+    token instead of its argmax) and plant a near-tie in the greedy continuation: the divergence is
+    reported where the target's top-2 gap is within the threshold, and still as a bug."""
+    from dflash_train.eval import speculative
+    from dflash_train.eval.prompts import encode_prompt
+    from dflash_train.eval.runner import evaluate
+    from dflash_train.tiny import sharpen
+
+    model = sharpen(AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir).eval())  # a varied continuation
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    prompt = encode_prompt(tokenizer, {"prompt": "def add(a, b):"}, None)
+    reference = []
+    with torch.no_grad():
+        for _ in range(4):
+            reference.append(int(model(torch.tensor([[*prompt, *reference]])).logits[0, -1].argmax()))
+    plant_near_tie(model, [*prompt, *reference[:3]])  # at position 3 of the greedy continuation
+
+    def last_ranked_at_near_ties(draft, logits):
+        logits = logits.float()
+        top2 = logits.topk(2, dim=-1).values
+        near = [
+            float(gap) <= tie_threshold(float(scale), torch.float32)
+            for gap, scale in zip(top2[:, 0] - top2[:, 1], logits.abs().amax(-1))
+        ]
+        choices = torch.where(torch.tensor(near), logits.argmin(-1), logits.argmax(-1)).tolist()
+        num_accepted = 0
+        while num_accepted < len(draft) and draft[num_accepted] == choices[num_accepted]:
+            num_accepted += 1
+        return num_accepted, choices[num_accepted]
+
+    monkeypatch.setattr(speculative, "accept_greedy", last_ranked_at_near_ties)
+    drafter, _ = make_drafter(model, tokenizer)
+    report = evaluate(
+        model, tokenizer, drafter, [prompt], max_new_tokens=9, methods=("dflash",), eos_token_ids=()
+    )
+    (d,) = report["methods"]["dflash"]["divergences"]
+    assert d["position"] == 3 and d["reference_top2_gap"] <= d["tie_threshold"]
+    assert d["speculative_rank"] == model.config.vocab_size - 1 and d["is_tie"] is False
+    assert "bug" in verdict_line(verdict([d], 1, 0.0))
 
 
 def test_prompt_files_report_invalid_utf8_and_count_skips(tiny_qwen3_dir, tmp_path):
