@@ -1,6 +1,7 @@
 """Tiny tokenizers carrying chat templates modelled on real families: SmolLM2 (ChatML with a default
 system prompt), Llama-3 (headers, <|eot_id|>, no pad token, reserved specials) and Qwen3.5/3.6
-(ChatML with a thinking switch). Built in code with ``tokenizers``; nothing is downloaded."""
+(ChatML with a thinking switch), plus Qwen's own published Qwen3 and Qwen3.5/3.6 templates
+(``qwen_tokenizer``). Built in code with ``tokenizers``; nothing is downloaded."""
 
 from pathlib import Path
 
@@ -37,6 +38,9 @@ QWEN35_TEMPLATE = (
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\n\n</think>\n\n' }}"
     "{%- else %}{{- '<think>\n' }}{%- endif %}{%- endif %}"
 )
+# Qwen's published chat templates, kept verbatim as data (see tests/fixtures/chat_templates/README.md).
+TEMPLATE_DIR = Path(__file__).parent / "fixtures" / "chat_templates"
+QWEN_TEMPLATES = ("qwen3", "qwen3.5", "qwen3.6")
 # A template whose user content is not written verbatim (synth must refuse it with a reason).
 SHOUTING_TEMPLATE = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] | upper + '<|im_end|>\n' }}{% endfor %}"
 
@@ -81,6 +85,13 @@ def family_tokenizer(family: str, corpus=DEFAULT_CORPUS, vocab_size: int = 320) 
     )
     wrapped.chat_template = spec["template"]
     return wrapped
+
+
+def qwen_tokenizer(template: str) -> PreTrainedTokenizerFast:
+    """The Qwen3.5/3.6-style tiny tokenizer carrying Qwen's real chat template ``template``."""
+    tokenizer = family_tokenizer("qwen35")
+    tokenizer.chat_template = (TEMPLATE_DIR / f"{template}.jinja").read_text()
+    return tokenizer
 
 
 def save_family_target(directory: Path, family: str, tokenizer=None, eos_ids=None, seed: int = 0) -> Path:

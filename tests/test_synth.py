@@ -10,7 +10,15 @@ from dflash_train.cli import main
 from dflash_train.data.prompt_filters import PromptFilter, normalise
 from dflash_train.data.special_tokens import end_of_turn_id
 from dflash_train.data.synth import SynthOptions, magpie_prefix, run_synth
-from tests.chat_families import SHOUTING_TEMPLATE, family_tokenizer, save_family_target, train_chatty_target
+from tests.chat_families import (
+    QWEN_TEMPLATES,
+    SHOUTING_TEMPLATE,
+    family_tokenizer,
+    qwen_tokenizer,
+    save_family_target,
+    save_with,
+    train_chatty_target,
+)
 
 PROMPTS = [
     f"please {v} the {n}"
@@ -72,6 +80,57 @@ def test_magpie_prefix_keeps_a_given_system_prompt():
     )
 
 
+@pytest.mark.parametrize("thinking", [None, False, True])
+@pytest.mark.parametrize("template", QWEN_TEMPLATES)
+def test_magpie_prefix_on_the_real_qwen_templates(template, thinking):
+    """Qwen's templates drop the last reply's think block once a user turn follows, and Qwen3.5/3.6
+    refuse the system prompt alone: the prefix is still the template's text before the user content."""
+    tok = qwen_tokenizer(template)
+    kwargs = {} if thinking is None else {"enable_thinking": thinking}
+    system = [{"role": "system", "content": "Be kind."}]
+    first = [{"role": "user", "content": "hi"}]
+    for reply in ("yo", "<think>\nhmm\n</think>\n\nyo"):  # thinking off / on
+        history = [*first, {"role": "assistant", "content": reply}]
+        second = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nyo<|im_end|>\n<|im_start|>user\n"
+        assert magpie_prefix(tok, history, kwargs) == second
+        assert magpie_prefix(tok, [*system, *history], kwargs) == SYSTEM_TURN + second
+    assert magpie_prefix(tok, system, kwargs) == SYSTEM_TURN + "<|im_start|>user\n"
+    assert magpie_prefix(tok, [], kwargs) == "<|im_start|>user\n"
+
+
+SYSTEM_TURN = "<|im_start|>system\nBe kind.<|im_end|>\n"
+
+
+@pytest.mark.parametrize("template", QWEN_TEMPLATES)
+def test_synth_two_turns_on_the_real_qwen_templates(tmp_path, monkeypatch, template):
+    """``synth --turns 2 --system ...`` on a target carrying Qwen's real template writes
+    (system, user, assistant, user) rows; the second prompt starts where the template opens a user turn."""
+    from dflash_train.data import synth as synth_module
+    from dflash_train.data.sampling import Generation
+    from dflash_train.tiny import build_tiny_target
+
+    tok = qwen_tokenizer(template)
+    save_with(tmp_path / "t", build_tiny_target("qwen3", vocab_size=len(tok), seed=0), tok)
+    opts = options(tmp_path / "t", tmp_path / "o.jsonl", turns=2, system="Be kind.")
+    synthesizer = synth_module.Synthesizer(opts)
+    seen = []
+
+    def fake_sample_batch(model, prompts, keys, **kwargs):
+        seen.append(tok.decode(prompts[0]))
+        return [Generation(tok("a question about rain", add_special_tokens=False)["input_ids"], True)] * len(
+            prompts
+        )
+
+    monkeypatch.setattr(synth_module, "sample_batch", fake_sample_batch)
+    ((_, messages, problem),) = synthesizer.draw([0])
+    assert problem is None and [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    assert seen[0] == SYSTEM_TURN + "<|im_start|>user\n"
+    assert seen[2] == (
+        SYSTEM_TURN + "<|im_start|>user\na question about rain<|im_end|>\n"
+        "<|im_start|>assistant\na question about rain<|im_end|>\n<|im_start|>user\n"
+    )
+
+
 def test_templates_where_the_prefix_cannot_be_found_are_refused():
     tok = family_tokenizer("qwen35")
     tok.chat_template = SHOUTING_TEMPLATE
@@ -85,6 +144,14 @@ def test_templates_where_the_prefix_cannot_be_found_are_refused():
     )
     with pytest.raises(ValueError, match="not a special end-of-turn"):
         end_of_turn_id(tok, "user")
+    # The last reply is rewritten once a user turn follows, and no turn-closing text shows its end.
+    tok.chat_template = (
+        "{% for m in messages %}{% if m.role == 'assistant' and loop.last %}{{ '[last]' }}{% endif %}"
+        "{{ '<|im_start|>' + m.role + '\n' + m['content'] + '\n' }}{% endfor %}"
+    )
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    with pytest.raises(ValueError, match="no turn-closing text"):
+        magpie_prefix(tok, history, {})
 
 
 def test_prompt_filter_reasons_and_near_duplicates():

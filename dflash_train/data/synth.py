@@ -41,7 +41,12 @@ from dflash_train.data.special_tokens import (
     special_token_ids,
     template_token_ids,
 )
-from dflash_train.data.tokenize import template_kwargs
+from dflash_train.data.tokenize import (
+    common_prefix_length,
+    end_of_rewritten_turn,
+    template_kwargs,
+    turn_closing_text,
+)
 
 THINKING = {"on": True, "off": False, "default": None}
 # Settings that change which rows are produced; a resumed run must use the same ones.
@@ -100,13 +105,44 @@ def magpie_prefix(tokenizer, history: list[dict], kwargs: dict) -> str:
             "before a user turn cannot be found; synth needs a template that renders the content as given"
         )
     prefix = text.split(SENTINEL, 1)[0]
-    before = render(tokenizer, history, **kwargs) if history else ""
-    if not prefix.startswith(before) or not prefix[len(before) :].strip():
+    if not prefix[history_end(tokenizer, history, prefix, kwargs) :].strip():
         raise ValueError(
             "the chat template writes no user header before a user message's content (text before it: "
             f"{prefix[-60:]!r}), so the target cannot tell that it should write a user turn"
         )
     return prefix
+
+
+def history_end(tokenizer, history: list[dict], prefix: str, kwargs: dict) -> int:
+    """Where ``history`` ends in ``prefix`` (its rendering followed by a user turn's header).
+
+    The history rendered alone is a prefix of it for most templates. Templates that rewrite the last
+    assistant turn once a user turn follows (Qwen3 and Qwen3.5/3.6 drop its empty think block) make
+    it end after the turn-closing text that follows the point where the two renderings part, as the
+    loss mask finds such a turn (``data.tokenize``). Templates that refuse a conversation without a
+    user query (Qwen3.5/3.6, for the system prompt alone) are searched from the start in the same way.
+    """
+    if not history:
+        return 0
+    try:
+        before = render(tokenizer, history, **kwargs)
+    except ValueError:
+        if any(m["role"] == "user" for m in history):
+            raise  # a refusal of anything else is the template's error, not a missing user query
+        start = 0
+    else:
+        if prefix.startswith(before):
+            return len(before)
+        start = common_prefix_length(before, prefix)
+    closing = turn_closing_text(tokenizer, kwargs)
+    end = end_of_rewritten_turn(prefix, start, closing)
+    if end < 0:
+        raise ValueError(
+            f"the chat template renders the conversation before a user turn otherwise than alone and writes "
+            f"no turn-closing text ({closing!r}) after character {start} ({prefix[start : start + 40]!r}), so "
+            "the user turn's start cannot be found"
+        )
+    return end
 
 
 class Synthesizer:

@@ -130,13 +130,22 @@ def response_end(tokenizer, messages, i: int, full: str, start: int, closing: st
     turn = render(tokenizer, messages[: i + 1], kwargs).rstrip()
     if full.startswith(turn) and len(turn) > start:
         return len(turn)
-    end = full.find(closing, start) if closing else -1
+    end = end_of_rewritten_turn(full, start, closing)
     if end < 0:
         raise TemplateError(
             f"cannot find the end of assistant turn {i} in the rendered conversation (turn-closing "
             f"text {closing!r}). Use a template with {{% generation %}} markers."
         )
-    return end + len(closing)
+    return end
+
+
+def end_of_rewritten_turn(full: str, start: int, closing: str) -> int:
+    """Where a turn ends in ``full`` when ``full`` renders it otherwise than a conversation ending
+    with it (Qwen3 and Qwen3.5/3.6 drop the last assistant turn's empty think block once a user turn
+    follows): just past the first turn-closing text at or after ``start``, a position inside the
+    turn; -1 when there is none. Shared by the loss mask and ``synth``'s user-turn prefix."""
+    end = full.find(closing, start) if closing else -1
+    return end + len(closing) if end >= 0 else -1
 
 
 def turn_closing_text(tokenizer, kwargs) -> str:
