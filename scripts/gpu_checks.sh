@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU checks and benchmarks on one H200 (torch 2.11, no network): logs go to $OUT (or ./gpu-logs).
-# Usage: scripts/gpu_checks.sh [checks|bench|bench2|ablation|shapes|longest|all]   (fla-core wheels in .whl/, see docs/performance.md)
+# Usage: scripts/gpu_checks.sh [checks|bench|bench2|ablation|shapes|longest|loose|all]   (fla-core wheels in .whl/, see docs/performance.md)
 set -u
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 what=${1:-all}
@@ -42,4 +42,16 @@ if [ "$what" = longest ]; then  # the 128K row that ran out of memory in `bench`
 fi
 if [ "$what" = bench2 ]; then
   step bench_27b_full_sdpa 200 python3 -m dflash_train.cli bench --preset qwen3.6-27b --attention-backend sdpa --no-compile --json
+fi
+if [ "$what" = loose ]; then  # the GPU figures of the loose-ends round: saves, length mixes, the speed floor
+  df -h /tmp | tee -a "$OUT/summary.txt"
+  step ckpt_bench 300 python3 scripts/gpu_checkpoint_bench.py --dir /tmp/ckpt-bench
+  rm -rf /tmp/ckpt-bench
+  step bench_27b_bf16 150 python3 -m dflash_train.cli bench --preset qwen3.6-27b --json
+  step bench_27b_fp8 150 python3 -m dflash_train.cli bench --preset qwen3.6-27b --target-fp8 --json
+  step bench_short_chat 200 python3 -m dflash_train.cli bench --preset qwen3.6-27b --lengths short-chat --json
+  step bench_mixed_chat 240 python3 -m dflash_train.cli bench --preset qwen3.6-27b --lengths mixed-chat --json
+fi
+if [ "$what" = gpu_tests ]; then  # the whole GPU suite, with its wall time in summary.txt
+  step gpu_tests_all 560 python3 -m pytest -q -m gpu tests
 fi
