@@ -215,3 +215,35 @@ def test_regen_reports_rows_that_round_trip(tiny_hybrid_dir, chat_file, tmp_path
     rows = read_jsonl(output)
     assert all(len(r["regen"]["round_trip"]) == len(r["regen"]["finished"]) for r in rows)
     assert result["rows_not_round_trip"] == sum(not all(r["regen"]["round_trip"]) for r in rows)
+
+
+def test_regen_answers_the_last_user_turn_of_a_multi_turn_row(tiny_hybrid_dir, tmp_path):
+    """A ``synth --turns 2`` row (system, user, assistant, user) gets both replies, in every engine."""
+    from dflash_train.data.readers import ChatRow
+    from dflash_train.data.regen_turns import Reply, regenerate_row
+
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "old"},
+        {"role": "user", "content": "and then?"},
+    ]
+    data = tmp_path / "turns.jsonl"
+    data.write_text(json.dumps({"messages": messages}) + "\n")
+    output = tmp_path / "regen.jsonl"
+    assert run_regen(regen_args(tiny_hybrid_dir, data, output))["rows_done"] == 1
+    (row,) = read_jsonl(output)
+    assert [m["role"] for m in row["messages"]] == ["system", "user", "assistant", "user", "assistant"]
+    assert row["messages"][3] == messages[3] and len(row["regen"]["finished"]) == 2
+
+    # The endpoint's per-row path: the same turns, each reply seeing the regenerated history.
+    seen = []
+
+    def complete(conversation, key):
+        seen.append([m["role"] for m in conversation])
+        return Reply(f"reply {len(seen)}", True)
+
+    _, conversation, finished, error = regenerate_row(complete, ChatRow(messages, str(data), 1))
+    assert error is None and finished == [True, True]
+    assert seen == [["system", "user"], ["system", "user", "assistant", "user"]]
+    assert [m["content"] for m in conversation[2::2]] == ["reply 1", "reply 2"]

@@ -6,7 +6,8 @@ accuracy suggests. Regenerated, the training labels are what the target actually
 teacher-forced accuracy approximates real acceptance (and equals it for greedy decoding).
 
 Each assistant turn is regenerated given the preceding, already regenerated turns (user, system
-and tool turns are kept). A row with no assistant turn (a prompt-only dataset) gets one reply.
+and tool turns are kept). A row that ends without a reply (a prompt-only row, a ``synth --turns N``
+row ending with a user turn) gets one to its last turn.
 Output is JSONL in ``messages`` form; each row carries ``regen.key`` (source file name, line and a
 hash of the source messages). The output is appended to and flushed per batch, so an interrupted
 run resumes: rows whose key is already in the output are skipped, and a partially written last line
@@ -257,7 +258,7 @@ def regenerate(engine, rows: list[ChatRow]) -> list[tuple]:
                         engine.tokenizer, conversations[i], reply.token_ids, engine.template_kwargs
                     )
                 )
-            cursors[i] += 1  # past the original assistant turn (or the end of a prompt-only row)
+            cursors[i] += 1  # past the original assistant turn (or the end of a row ending unanswered)
     return [(*result, None, trips) for *result, trips in zip(rows, conversations, finished, round_trip)]
 
 

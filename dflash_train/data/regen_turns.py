@@ -62,15 +62,17 @@ def turn_key(row: ChatRow, turn: int) -> int:
 
 
 def advance_to_reply(row: ChatRow, conversation: list[dict], cursors: list[int], i: int) -> bool:
-    """Copy non-assistant turns; True when the row needs a generated reply next."""
+    """Copy non-assistant turns; True when the row needs a generated reply next: at each assistant
+    turn, and once more at the end of a row whose last turn is not an assistant's (a prompt-only row,
+    a ``synth --turns N`` row ending with a user turn), whose reply ``regen`` writes too."""
     messages = row.messages
     while cursors[i] < len(messages) and messages[cursors[i]]["role"] != "assistant":
         conversation.append(messages[cursors[i]])
         cursors[i] += 1
     if cursors[i] < len(messages):
         return True
-    prompt_only = not any(m["role"] == "assistant" for m in messages)
-    return prompt_only and cursors[i] == len(messages)  # one past the end once its reply exists
+    ends_unanswered = bool(messages) and messages[-1]["role"] != "assistant"
+    return ends_unanswered and cursors[i] == len(messages)  # one past the end once its reply exists
 
 
 def round_trip_error(
