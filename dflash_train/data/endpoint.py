@@ -25,12 +25,10 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from dflash_train.data.regen_options import RegenOptions
 from dflash_train.data.regen_turns import THINKING, Reply, advance_to_reply, regenerate_row
-
-if TYPE_CHECKING:  # annotations only: data.regen picks this engine, so it must not be imported here
-    from dflash_train.data.regen import RegenOptions
 
 MAX_BACKOFF_S = 30.0
 CONNECT_CHECK_TIMEOUT_S = 10.0

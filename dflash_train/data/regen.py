@@ -25,12 +25,13 @@ import os
 import sys
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from itertools import islice
 from pathlib import Path
 from typing import Any
 
 from dflash_train.data.readers import ChatRow, expand_paths, iter_chat_rows
+from dflash_train.data.regen_options import RegenOptions
 from dflash_train.data.regen_turns import (
     THINKING,
     Reply,
@@ -44,43 +45,6 @@ from dflash_train.data.sampling import Sampling, load_generator, resolve_device,
 from dflash_train.data.skips import SkipCounts
 from dflash_train.data.special_tokens import end_of_turn_id, pad_id, resolve_eos_ids
 from dflash_train.data.tokenize import template_kwargs
-
-
-@dataclass(kw_only=True)
-class RegenOptions:
-    """Options of ``dflash-train regen`` (the CLI builds this from its arguments)."""
-
-    target: str
-    data: list[str]
-    output: str
-    max_new_tokens: int = 1024
-    temperature: float = 0.0
-    top_p: float = 1.0
-    batch_size: int = 16
-    thinking: str = "default"
-    max_rows: int = 0
-    max_bad_rows: int = 0
-    engine: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    # OpenAI-compatible server (``http://HOST:PORT/v1``); empty = generate in process.
-    endpoint: str = ""
-    model: str = ""
-    api_key_env: str = ""
-    concurrency: int = 64
-    timeout_s: float = 600.0
-    retries: int = 4
-
-    def __post_init__(self):
-        if self.thinking not in THINKING:
-            raise ValueError(f"--thinking {self.thinking!r}: use one of {list(THINKING)}")
-        if self.engine not in ("auto", "vllm", "transformers", "endpoint"):
-            raise ValueError(f"--engine {self.engine!r}: use auto, vllm, transformers or endpoint")
-        if self.engine == "endpoint" and not self.endpoint:
-            raise ValueError("--engine endpoint needs --endpoint http://HOST:PORT/v1")
-        if self.batch_size < 1 or self.max_new_tokens < 1 or self.concurrency < 1 or self.retries < 0:
-            raise ValueError("--batch-size, --max-new-tokens and --concurrency must be >= 1, --retries >= 0")
-        Sampling(temperature=self.temperature, top_p=self.top_p)  # validates both
 
 
 def run_regen(opts: RegenOptions) -> dict[str, Any]:
