@@ -1,6 +1,7 @@
 """Sharded (DCP) checkpoints across ranks on CPU (gloo, FSDP2): a SIGKILL of one of two ranks in the
 middle of a save leaves the previous checkpoint, which resumes bit for bit; a 2-rank checkpoint
-resumes on 1 and on 3 ranks with exactly the losses of the same state loaded unsharded."""
+resumes on 1 and on 3 ranks with exactly the losses of the same state loaded unsharded; a run sized
+by epochs keeps its length and LR schedule when resumed on another number of ranks."""
 
 import json
 import os
@@ -129,3 +130,45 @@ def test_two_rank_checkpoint_resumes_on_three_ranks(task, two_rank_checkpoint, t
     dcp_rows, reference = rows(outs[0]), rows(outs[1])
     assert [r["step"] for r in dcp_rows] == [5, 6]
     assert [r["loss"] for r in dcp_rows] == [r["loss"] for r in reference]
+
+
+# ----------------------------------------------------------------------------- the schedule across world sizes
+
+# No train.max_steps: the run's length comes from num_epochs and the steps per epoch, which depend
+# on the world size (this task: 23 steps per epoch on 1 rank, 12 on 2).
+BY_EPOCHS = ["train.max_steps=0", "train.num_epochs=1", "checkpoint.every_steps=4", "checkpoint.keep_last=10"]
+
+
+def lr_by_step(out_dir) -> dict[int, float]:
+    return {r["step"]: r["lr"] for r in rows(out_dir)}
+
+
+@pytest.mark.parametrize("saved_world,resumed_world", [(2, 1), (1, 2)])
+def test_resume_on_another_world_size_keeps_the_length_and_the_lr_schedule(
+    task, tmp_path, saved_world, resumed_world, capsys
+):
+    """The run started on ``saved_world`` ranks is continued from its step-4 checkpoint on
+    ``resumed_world`` ranks: it ends at the uninterrupted run's last step with the same LR at every
+    step (the schedule is the one the run started with, kept in the checkpoint)."""
+    full = tmp_path / "full"
+    if saved_world == 1:
+        train(tiny_config(task, full, *BY_EPOCHS))
+    else:
+        launch(task, saved_world, [full], BY_EPOCHS)
+    expected = lr_by_step(full)
+    total = max(expected)
+    assert total == {1: 23, 2: 12}[saved_world]  # the length really depends on the world size
+    resumed = fresh_run_from(ckpt.step_folder(full, 4), tmp_path / "resumed")
+    if resumed_world == 1:
+        result = train(tiny_config(task, resumed, *BY_EPOCHS))
+        assert result["step"] == total and result["export"] is not None
+    else:
+        launch(task, resumed_world, [resumed], BY_EPOCHS)
+    assert (resumed / "export" / "model.safetensors").is_file()
+    got = lr_by_step(resumed)
+    assert sorted(got) == list(range(5, total + 1))  # each remaining step once, none past the end
+    assert got == {s: expected[s] for s in range(5, total + 1)}
+    state = torch.load(ckpt.step_folder(resumed, total) / ckpt.STATE_NAME, weights_only=False)
+    assert state["world_size"] == resumed_world and state["step"] == total
+    if resumed_world == 1:
+        assert f"resuming a {saved_world}-rank checkpoint on 1 ranks" in capsys.readouterr().out

@@ -153,11 +153,11 @@ def build_run(cfg: RunConfig, info: DistInfo) -> Run:
         total_steps=total,
         writer=ckpt.CheckpointWriter(asynchronous=cfg.checkpoint.async_write),
     )
+    maybe_resume(run)  # may keep another length: the one the checkpoint's run was planned with
     if info.is_main:
         write_run_info(run, placement="colocated")
-    maybe_resume(run)
     log_main(
-        f"training: {total} steps, {sum(p.numel() for p in unwrap(model).parameters()) / 1e6:.1f}M drafter params, "
+        f"training: {run.total_steps} steps, {sum(p.numel() for p in unwrap(model).parameters()) / 1e6:.1f}M drafter params, "
         f"world {info.world_size}, device {info.device}, target kernels {target.kernels}"
     )
     return run

@@ -5,7 +5,9 @@ A ``Run`` trains the drafter over a process group: every rank of the job (coloca
 or the drafter ranks only (split placement). Reductions, checkpoint gathers and barriers go over
 that group; every rank of it writes its checkpoint shards and its rank 0 commits. The checkpoint
 format is the same for both placements, so a split checkpoint resumes colocated, and vice versa, on
-any number of ranks (a changed world size remaps the data position and is logged).
+any number of ranks. A changed world size keeps the run's length and LR schedule (both planned with
+the steps per epoch of the world size the run started on, which every checkpoint keeps) and remaps
+the data position to the same fraction of the current epoch; it is logged.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch import nn
 
 from dflash_train.config import RunConfig
 from dflash_train.train import checkpoint as ckpt
+from dflash_train.train.builders import build_scheduler
 from dflash_train.train.logging import MetricsLogger, log_main
 from dflash_train.train.parallel import DistInfo, full_model_state, unwrap
 
@@ -57,6 +60,12 @@ class Run:
     step: int = 0
     counters: dict[str, float] = field(default_factory=lambda: {"skipped_steps": 0})
     writer: ckpt.CheckpointWriter | None = None
+    # The steps per epoch that ``total_steps`` and the LR schedule were planned with: this run's
+    # own (``data.steps_per_epoch``) unless it resumed a checkpoint of another world size.
+    schedule_steps_per_epoch: int = 0
+
+    def __post_init__(self) -> None:
+        self.schedule_steps_per_epoch = self.schedule_steps_per_epoch or self.data.steps_per_epoch
 
     @property
     def gamma(self) -> float:
@@ -133,10 +142,13 @@ def run_result(
 
 def train_state_dict(run: Run, **extra: Any) -> dict[str, Any]:
     """Everything but the model and optimizer tensors that a resume needs (``extra``: placement-specific
-    parts); the world size tells a resume on another number of ranks to remap the data position."""
+    parts); the world size tells a resume on another number of ranks to remap the data position, and
+    ``schedule_steps_per_epoch`` to keep the run's length and LR schedule."""
     return {
         "step": run.step,
         "world_size": run.info.world_size,
+        "total_steps": run.total_steps,
+        "schedule_steps_per_epoch": run.schedule_steps_per_epoch,
         "scheduler": run.scheduler.state_dict(),
         "data": run.data.state_dict(),
         **extra,
@@ -230,6 +242,7 @@ def maybe_resume(run: Run) -> None:
         current_drafter=run.draft_config.to_serving_dict(),
     )
     state = loaded["train_state"]
+    keep_schedule(run, state)  # before the optimizer state loads: a new scheduler resets the LR
     if loaded["sharded"]:
         ckpt.load_sharded_state(run.model, run.optimizer, path, group=checkpoint_group(run))
     else:  # the older single-file layout: full state, loaded on every rank
@@ -243,12 +256,32 @@ def maybe_resume(run: Run) -> None:
     log_main(f"resumed from {path} at step {run.step}")
 
 
+def keep_schedule(run: Run, state: dict[str, Any]) -> None:
+    """Continue the checkpoint's run length and LR schedule, whatever the world size is now.
+
+    Without ``train.max_steps`` the length is ``num_epochs`` epochs of steps per epoch, which
+    depend on the world size: recomputing it on another number of ranks would end the run early or
+    late on a rebuilt schedule. The epoch length it was planned with comes from the checkpoint
+    (older ones: their saved data position's, the epoch length of the world size they were written
+    on), and the recipe keys still apply, so an allowed change of ``train.num_epochs`` counts.
+    """
+    planned = state.get("schedule_steps_per_epoch", state["data"].get("steps_per_epoch"))
+    if planned is None or planned == run.schedule_steps_per_epoch:
+        return
+    run.schedule_steps_per_epoch = planned
+    run.total_steps = total_steps(run.cfg, planned)
+    run.scheduler = build_scheduler(run.optimizer, run.cfg, run.total_steps)
+
+
 def data_position(run: Run, state: dict[str, Any]) -> dict[str, int]:
     """The saved data position, remapped when the run resumes on another number of ranks.
 
     An epoch's batch order depends on the world size (batches are grouped one per rank), so there
-    is no exact match: the run continues in the same epoch at the same fraction of it, and rows of
-    that epoch may be seen twice or not at all until the next epoch starts. Logged, not refused.
+    is no exact match: the run continues in the same epoch at the same fraction of it, rounded down
+    (at most part of one step's worth of the epoch is read again; none is skipped), and rows of that
+    epoch may be seen twice or not at all until the next epoch starts. The length and LR schedule
+    stay the run's (``keep_schedule``): a step now reads ``world_size`` batches, so the remaining
+    steps cover more (more ranks) or fewer (fewer ranks) epochs than planned. Logged, not refused.
     """
     data = dict(state["data"])
     saved_world = state.get("world_size", run.info.world_size)  # older checkpoints: not recorded
@@ -259,7 +292,8 @@ def data_position(run: Run, state: dict[str, Any]) -> dict[str, int]:
     log_main(
         f"resuming a {saved_world}-rank checkpoint on {run.info.world_size} ranks: data position "
         f"epoch {data['epoch']} step {data['position']}/{old_steps} -> step {position}/{new_steps} "
-        "(the same fraction of the epoch; its batch order depends on the world size)"
+        "(the same fraction of the epoch; its batch order depends on the world size); the run keeps "
+        f"its length ({run.total_steps} steps) and LR schedule"
     )
     return {**data, "position": position, "steps_per_epoch": new_steps}
 

@@ -175,7 +175,7 @@ class FeatureProducer:
         self.target = builders.build_target(cfg, info)
         shared = share_data_info(cfg, layout, self.target)
         self.steps_per_epoch = shared["steps_per_epoch"]
-        self.total = total_steps(cfg, self.steps_per_epoch)
+        total_steps(cfg, self.steps_per_epoch)  # too little data fails here, as on the drafter ranks
         self.streams = [
             TrainData(
                 shared["tokenized"],
@@ -190,6 +190,7 @@ class FeatureProducer:
         start = [None]
         dist.broadcast_object_list(start, src=layout.drafter_main)  # resume point, decided by drafter rank 0
         self.start_step, self.start_micro = start[0]["step"], start[0]["micro"]
+        self.total = start[0]["total"]  # a resume keeps the length the checkpoint's run planned
         self.produced = self.start_step
         self.lag = pipeline_depth(cfg.train.max_in_flight, cfg.train.grad_accum)
         self.sender = FeatureSender(
@@ -344,6 +345,7 @@ def build_drafter_run(
         group=group,
         writer=ckpt.CheckpointWriter(asynchronous=cfg.checkpoint.async_write),
     )
+    maybe_resume(run)  # may keep another length: the one the checkpoint's run was planned with
     if local.is_main:
         write_run_info(
             run,
@@ -353,12 +355,12 @@ def build_drafter_run(
             target_ranks=layout.num_target_ranks,
             drafter_ranks=layout.num_drafter_ranks,
         )
-    maybe_resume(run)
-    dist.broadcast_object_list([{"step": run.step, "micro": data.micro}], src=layout.drafter_main)
+    start = {"step": run.step, "micro": data.micro, "total": run.total_steps}
+    dist.broadcast_object_list([start], src=layout.drafter_main)
     width = head.hidden_size * len(head.target_layer_ids)
     receiver = FeatureReceiver(info.device, resolve_dtype(cfg.target.dtype), width, stream_group)
     log_main(
-        f"split training: {total} steps, {layout.num_target_ranks} target : {layout.num_drafter_ranks} drafter ranks, device {info.device}",
+        f"split training: {run.total_steps} steps, {layout.num_target_ranks} target : {layout.num_drafter_ranks} drafter ranks, device {info.device}",
     )
     return run, DrafterContext(
         layout, receiver, pipeline_depth(cfg.train.max_in_flight, cfg.train.grad_accum)
