@@ -30,6 +30,8 @@ class TinyServer:
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
         self.api_key, self.always_fail, self.fail_first = api_key, set(), Counter()
         self.prompt_token_offset, self.requests = 0, Counter()
+        # Prompts answered with a null message, or with a body cut short (http.client.IncompleteRead).
+        self.null_message, self.torn = set(), set()
         self.lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self.handler())
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
@@ -42,11 +44,11 @@ class TinyServer:
             def log_message(self, *args):  # keep pytest output clean
                 pass
 
-            def reply(self, code, body):
+            def reply(self, code, body, torn=False):
                 data = json.dumps(body).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
+                self.send_header("Content-Length", str(len(data) + 100 * torn))  # torn: promises more
                 self.end_headers()
                 self.wfile.write(data)
 
@@ -65,7 +67,7 @@ class TinyServer:
                     return
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 code, answer = server.complete(body)
-                self.reply(code, answer)
+                self.reply(code, answer, torn=body["messages"][-1]["content"] in server.torn)
 
         return Handler
 
@@ -96,7 +98,7 @@ class TinyServer:
         content = self.tokenizer.decode(new[: new.index(eos)] if stopped else new, skip_special_tokens=False)
         usage = {"prompt_tokens": ids.shape[1] + self.prompt_token_offset, "completion_tokens": len(new)}
         choice = {
-            "message": {"role": "assistant", "content": content},
+            "message": None if last in self.null_message else {"role": "assistant", "content": content},
             "finish_reason": "stop" if stopped else "length",
         }
         return 200, {"choices": [choice], "usage": usage}
@@ -202,3 +204,19 @@ def test_endpoint_api_key(tiny_qwen3_dir, chat_file, tmp_path, monkeypatch):
         assert run_regen(opts)["rows_done"] == 4
     finally:
         srv.close()
+
+
+def test_a_null_message_or_a_torn_reply_fails_only_its_row(
+    server, tiny_qwen3_dir, chat_file, tmp_path, monkeypatch
+):
+    """Both end in OUTPUT.failed.jsonl with a reason (a torn body after its retries); the run goes on."""
+    monkeypatch.setattr("dflash_train.data.endpoint.MAX_BACKOFF_S", 0.0)
+    server.null_message.add("flaky")
+    server.torn.add("doomed")
+    output = tmp_path / "regen.jsonl"
+    result = run_regen(endpoint_options(tiny_qwen3_dir, chat_file, output, server.url))
+    assert result["rows_done"] == 2 and result["rows_failed"] == 2
+    reasons = {r["line"]: r["reason"] for r in read_jsonl(tmp_path / "regen.failed.jsonl")}
+    assert set(reasons) == {3, 4} and "malformed completion" in reasons[3]
+    assert "IncompleteRead" in reasons[4] and "after 2 retries" in reasons[4]
+    assert server.requests["doomed"] == 3  # retried: a cut connection may succeed next time

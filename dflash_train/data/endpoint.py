@@ -19,6 +19,7 @@ I/O, the GIL is released while waiting). Each row's turns run in sequence in one
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import time
@@ -87,9 +88,10 @@ class EndpointEngine:
         except urllib.error.HTTPError as err:
             body = err.read()[:300].decode("utf-8", "replace")
             raise RequestError(f"HTTP {err.code}: {body}", err.code == 429 or err.code >= 500) from err
-        except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
+        except (urllib.error.URLError, http.client.HTTPException, OSError) as err:
+            # Connection refused/reset, timeouts, and a body cut short (IncompleteRead): may pass next time.
             raise RequestError(f"{type(err).__name__}: {getattr(err, 'reason', err)}", True) from err
-        except json.JSONDecodeError as err:
+        except ValueError as err:  # JSONDecodeError, or bytes that are not UTF-8
             raise RequestError(f"the server's reply is not JSON: {err}", True) from err
 
     def served_model(self) -> str:
@@ -140,16 +142,14 @@ class EndpointEngine:
         """One assistant turn as a ``Reply`` (``error`` set when the row must be reported as failed)."""
         try:
             response = self.completion(conversation, key, self.opts.max_new_tokens)
-            choice = response["choices"][0]
-            message = choice["message"]
         except RequestError as err:
             return Reply(
                 "", False, error=f"{err} (after {self.opts.retries} retries)" if err.retryable else str(err)
             )
+        try:
+            return reply_of(response)
         except (KeyError, IndexError, TypeError) as err:
             return Reply("", False, error=f"malformed completion ({type(err).__name__}: {err})")
-        reasoning = message.get("reasoning_content") or message.get("reasoning")
-        return Reply(message.get("content") or "", choice.get("finish_reason") == "stop", reasoning=reasoning)
 
     def check_prompt_tokens(self, conversation: list[dict]) -> None:
         """Refuse a server whose chat template gives other prompt tokens than the local one."""
@@ -184,3 +184,16 @@ class EndpointEngine:
             self.checked = True
         with ThreadPoolExecutor(max_workers=self.opts.concurrency) as pool:
             return list(pool.map(lambda row: regenerate_row(self.complete, row), rows))
+
+
+def reply_of(response: Any) -> Reply:
+    """The ``Reply`` of a chat completion; KeyError, IndexError or TypeError where it is malformed
+    (no choices, a ``null`` message, content that is not text)."""
+    choice = response["choices"][0]
+    message = choice["message"]
+    if not isinstance(message, dict):
+        raise TypeError(f"choices[0].message is {json.dumps(message)}, not an object")
+    content, reasoning = message.get("content"), message.get("reasoning_content") or message.get("reasoning")
+    if not isinstance(content, (str, type(None))) or not isinstance(reasoning, (str, type(None))):
+        raise TypeError(f"choices[0].message has content {content!r} and reasoning {reasoning!r}, not text")
+    return Reply(content or "", choice.get("finish_reason") == "stop", reasoning=reasoning)
