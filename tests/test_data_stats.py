@@ -44,3 +44,46 @@ def test_cli_data_stats_on_the_tiny_recipe(tmp_path, chats, tiny_hybrid_dir, cap
     args = ["data-stats", "tiny-cpu", *overrides(tmp_path, chats, "builtin:stats-test-target"), "--json"]
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"] == 2
+
+
+def test_regen_rows_train_from_the_ids_the_target_generated(tmp_path, tiny_hybrid_dir, monkeypatch, capsys):
+    """A reply whose text does not re-tokenize to its ids: regen stores the ids, data-stats and the
+    training rows use them."""
+    from transformers import AutoTokenizer
+
+    from dflash_train.config import load_config
+    from dflash_train.data import regen
+    from dflash_train.data.cache import load_or_build
+    from dflash_train.data.regen import run_regen
+    from dflash_train.data.sampling import Generation
+    from tests.test_data_regen import ROWS, regen_args, split_merged_token
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_hybrid_dir)
+    _, canonical, split = split_merged_token(tokenizer)
+    monkeypatch.setattr(  # the target "emits" a split its tokenizer never produces
+        regen, "sample_batch", lambda model, prompts, keys, **_: [Generation(split, True)] * len(prompts)
+    )
+    chats = write_lines(tmp_path / "chats.jsonl", ROWS[:2])
+    output = tmp_path / "regen.jsonl"
+    result = run_regen(regen_args(tiny_hybrid_dir, chats, output))
+    assert (
+        result["rows_done"] == 2 and result["rows_with_token_ids"] == 2 and result["rows_not_round_trip"] == 2
+    )
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    first = rows[1]["messages"]  # one user turn, one reply
+    prompt = tokenizer.apply_chat_template(first[:1], tokenize=False, add_generation_prompt=True)
+    assert first[1]["token_ids"] == split
+    assert first[1]["prompt_token_ids"] == tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+    register_builtin_target("stats-test-target", lambda name: tiny_hybrid_dir)
+    args = overrides(tmp_path, output, "builtin:stats-test-target")
+    capsys.readouterr()
+    stats = run_data_stats("tiny-cpu", args)
+    assert stats["rows"] == 2 and stats["rows_from_token_ids"] == 2 and stats["rows_not_round_trip"] == 2
+    assert stats["token_ids_fallback"] == {}
+    assert "rows from stored token ids: 2 of 2 (2 of them would re-tokenize" in capsys.readouterr().out
+    data = load_or_build(load_config("tiny-cpu", args).data, tokenizer, build=False)
+    ids, mask = (a.tolist() for a in data.row(1))
+    start = len(first[1]["prompt_token_ids"])
+    assert ids[:start] == first[1]["prompt_token_ids"] and ids[start : start + len(split)] == split
+    assert not any(mask[:start]) and all(mask[start : start + len(split) + 1])  # + the end of turn

@@ -162,3 +162,145 @@ def test_parallel_workers_match_single_process(tmp_path, tokenizer):
     assert np.array_equal(np.asarray(a.loss_mask), np.asarray(b.loss_mask))
     assert np.array_equal(a.origins, b.origins)
     assert a.where(3) == f"{data}:4"
+
+
+# ----------------------------------------------------------------------------- stored token ids
+
+
+def split_of_a_merged_token(tokenizer) -> tuple[str, list[int]]:
+    """(text, ids that decode to it but are not its tokenization): what an undertrained target emits."""
+    from tests.test_data_regen import split_merged_token
+
+    text, _, split = split_merged_token(tokenizer)
+    return text, split
+
+
+def prompt_ids(tokenizer, messages, **kwargs) -> list[int]:
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    return tokenizer(prompt, add_special_tokens=False)["input_ids"]
+
+
+def generated_reply(tokenizer, history, token_ids, **kwargs) -> dict:
+    """The assistant message regen writes for ``token_ids`` generated after ``history``."""
+    return {
+        "role": "assistant",
+        "content": tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False),
+        "token_ids": list(token_ids),
+        "prompt_token_ids": prompt_ids(tokenizer, history, **kwargs),
+    }
+
+
+def build_rows(tmp_path, tokenizer, rows, name="chat.jsonl", **overrides):
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    settings = dict(cache_dir=str(tmp_path / "cache"), num_workers=1)
+    return path, load_or_build(DataConfig(paths=[str(path)], **(settings | overrides)), tokenizer)
+
+
+def ids_of(text_or_token, tokenizer) -> list[int]:
+    return tokenizer(text_or_token, add_special_tokens=False)["input_ids"]
+
+
+def test_stored_ids_train_as_the_prompt_then_the_generated_ids(tmp_path, tokenizer):
+    text, split = split_of_a_merged_token(tokenizer)
+    history = [{"role": "user", "content": "what is two plus two?"}]
+    reply = generated_reply(tokenizer, history, split)
+    old = {"messages": [*history, {"role": "assistant", "content": text}]}
+    _, data = build_rows(tmp_path, tokenizer, [old, {"messages": [*history, reply]}])
+    # With ids: the prompt the target saw, the ids it generated, then the template's end of turn.
+    ids, mask = (a.tolist() for a in data.row(1))
+    prompt, end_of_turn = reply["prompt_token_ids"], ids_of("<|im_end|>", tokenizer)
+    assert ids == prompt + split + end_of_turn + ids_of("\n", tokenizer)
+    assert mask == [False] * len(prompt) + [True] * (len(split) + len(end_of_turn)) + [False]
+    # A row without ids is tokenized from its text exactly as before (to other ids than generated).
+    text_ids, text_mask = tokenize_chat(tokenizer, old["messages"])
+    assert data.row(0)[0].tolist() == text_ids.tolist() and data.row(0)[1].tolist() == text_mask.tolist()
+    assert ids != text_ids.tolist()
+    assert data.id_sources.tolist() == [0, 1]
+
+
+def test_stored_ids_of_every_turn_of_a_multi_turn_row(tmp_path, tokenizer):
+    text, split = split_of_a_merged_token(tokenizer)
+    first = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    reply_one = generated_reply(tokenizer, first, split)
+    second = [*first, {"role": "assistant", "content": text}, {"role": "user", "content": "more"}]
+    second_ids = ids_of("two plus two is four.", tokenizer)
+    reply_two = generated_reply(tokenizer, second, second_ids)
+    _, data = build_rows(tmp_path, tokenizer, [{"messages": [*first, reply_one, *second[3:], reply_two]}])
+    ids, mask = (a.tolist() for a in data.row(0))
+    end = ids_of("<|im_end|>", tokenizer)
+    # The second prompt continues after the first reply's end of turn (the template text in between).
+    glue = ids_of("\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n", tokenizer)
+    expected = reply_one["prompt_token_ids"] + split + end + glue + second_ids + end + ids_of("\n", tokenizer)
+    assert ids == expected
+    assert masked_spans(tokenizer, np.asarray(ids), np.asarray(mask)) == [
+        tokenizer.decode(split + end),
+        "two plus two is four.<|im_end|>",
+    ]
+    assert data.id_sources.tolist() == [1]
+
+
+def test_a_stored_prompt_unlike_the_rendering_is_counted_and_trains_from_text(tmp_path, tokenizer, capsys):
+    _, split = split_of_a_merged_token(tokenizer)
+    history = [{"role": "user", "content": "hi"}]
+    thinking_off = generated_reply(tokenizer, history, split, enable_thinking=False)  # regen --thinking off
+    edited = generated_reply(tokenizer, history, split) | {"content": "an edited reply"}
+    good = generated_reply(tokenizer, history, split)
+    rows = [{"messages": [*history, m]} for m in (thinking_off, edited, good)]
+    _, data = build_rows(tmp_path, tokenizer, rows)  # data.thinking: null, the template's default
+    assert data.id_fallbacks == {"prompt_mismatch": 1, "content_mismatch": 1}
+    assert data.id_sources.tolist() == [0, 0, 1]
+    clean = [{"role": m["role"], "content": m["content"]} for m in rows[1]["messages"]]
+    assert data.row(1)[0].tolist() == tokenize_chat(tokenizer, clean)[0].tolist()
+    assert (
+        "chat.jsonl:1: assistant message 1: stored prompt_token_ids"
+        in data.id_fallback_examples["prompt_mismatch"]
+    )
+    assert "2 rows store token ids that do not fit" in capsys.readouterr().err
+    # A template that renders the reply's context otherwise than its generation prompt (a Qwen3-style
+    # history turn without the think stub that enable_thinking=false put into the prompt) is counted too.
+    qwen = with_template(tokenizer, QWEN_STYLE_TEMPLATE)
+    first = generated_reply(qwen, history, split, enable_thinking=False)
+    row = [*history, first, {"role": "user", "content": "more"}, {"role": "assistant", "content": "four"}]
+    _, data = build_rows(tmp_path, qwen, [{"messages": row}], name="qwen.jsonl", thinking=False)
+    assert data.id_fallbacks == {"template_mismatch": 1} and data.id_sources.tolist() == [0]
+    _, data = build_rows(tmp_path, qwen, [{"messages": [*history, first]}], name="last.jsonl", thinking=False)
+    assert data.id_fallbacks == {} and data.id_sources.tolist() == [1]  # the last turn keeps its stub
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"token_ids": ["7"]}, r"message 1 token_ids\[0\] = '7' is not a token id"),
+        ({"token_ids": [7, 1.0]}, r"message 1 token_ids\[1\] = 1.0 is not a token id"),
+        ({"token_ids": [True]}, r"message 1 token_ids\[0\] = True is not a token id"),
+        ({"prompt_token_ids": [-1]}, r"message 1 prompt_token_ids\[0\] = -1 is not a token id"),
+        ({"token_ids": 7}, "message 1 token_ids must be a list of integers, got int"),
+        (
+            {"token_ids": [7, 100000]},
+            r"message 1 token_ids\[1\] = 100000 is outside the tokenizer's 320 tokens",
+        ),
+    ],
+)
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_malformed_token_ids_name_the_file_and_line(tmp_path, tokenizer, change, message, num_workers):
+    history = [{"role": "user", "content": "hi"}]
+    good = {"messages": [*history, generated_reply(tokenizer, history, [7, 8])]}
+    bad = {"messages": [*history, generated_reply(tokenizer, history, [7, 8]) | change]}
+    with pytest.raises(ValueError, match=rf"chat.jsonl:2: bad row \(malformed_token_ids\): {message}"):
+        build_rows(tmp_path, tokenizer, [good, bad], num_workers=num_workers)
+
+
+def test_token_ids_must_come_in_pairs_and_only_on_assistant_messages(tmp_path, tokenizer):
+    history = [{"role": "user", "content": "hi"}]
+    reply = generated_reply(tokenizer, history, [7, 8])
+    alone = {k: v for k, v in reply.items() if k != "prompt_token_ids"}
+    with pytest.raises(ValueError, match="message 1 has token_ids without prompt_token_ids; store both"):
+        build_rows(tmp_path, tokenizer, [{"messages": [*history, alone]}])
+    user = history[0] | {"token_ids": [7], "prompt_token_ids": [1]}
+    with pytest.raises(ValueError, match=r"message 0 \(user\) has token_ids; only assistant messages"):
+        build_rows(tmp_path, tokenizer, [{"messages": [user, reply]}], name="user.jsonl")
+    _, data = build_rows(
+        tmp_path, tokenizer, [{"messages": [*history, alone]}], name="b.jsonl", max_bad_rows=1
+    )
+    assert data.skips.to_dict() == {"malformed_token_ids": 1}

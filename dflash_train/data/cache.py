@@ -2,10 +2,12 @@
 
 Cache layout (one directory per key): ``ids.bin`` (int32, all rows concatenated), ``mask.bin``
 (uint8 loss mask, same length), ``offsets.npy`` (int64 [N+1]), ``rows.npy`` (int64 [N, 2]: file
-index, line), ``meta.json`` (files, skip counts, settings). Arrays are memory-mapped, so a dataset
-larger than RAM works. The key hashes everything that changes the tokens: the tokenizer (its full
-serialisation), the chat template, ``data.format``/``data.thinking`` and, per data file, its path,
-size and mtime. Bucket and over-length settings are applied after loading, so changing them never
+index, line), ``id_sources.npy`` (uint8 [N]: ``ID_*``, whether a row's replies are the generated
+ids it stores, ``data.stored_ids``), ``meta.json`` (files, skip counts, rows whose stored ids fell
+back to their text, settings). Arrays are memory-mapped, so a dataset larger than RAM works. The
+key hashes everything that changes the tokens: the tokenizer (its full serialisation), the chat
+template, ``data.format``/``data.thinking``, the cache version (the row format training reads) and,
+per data file, its path, size and mtime. Bucket and over-length settings are applied after loading, so changing them never
 re-tokenizes. The directory is written under a temporary name and renamed when complete, so a
 crash never leaves a half cache that looks valid.
 """
@@ -20,7 +22,7 @@ import shutil
 import sys
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 
@@ -29,9 +31,15 @@ import numpy as np
 from dflash_train.config import DataConfig
 from dflash_train.data.readers import ChatRow, expand_paths, fingerprint, format_where, iter_chat_rows
 from dflash_train.data.skips import BadRowError, SkipCounts
-from dflash_train.data.tokenize import check_tokenizer, tokenize_chat
+from dflash_train.data.stored_ids import FALLBACK_REASONS, tokenize_training_row
+from dflash_train.data.tokenize import check_tokenizer
 
-CACHE_VERSION = 1
+# 2: rows train from their stored token ids (id_sources.npy, meta "token_ids"); a cache of version 1
+# tokenized such rows from their text.
+CACHE_VERSION = 2
+# id_sources.npy codes: replies tokenized from text; from stored ids; from stored ids in a row whose
+# regen.round_trip says the text would have tokenized to other ids.
+ID_FROM_TEXT, ID_STORED, ID_STORED_NOT_ROUND_TRIP = 0, 1, 2
 ROWS_PER_TASK = 32
 
 
@@ -47,6 +55,14 @@ class TokenizedData:
     files: list[str]
     skips: SkipCounts
     directory: Path | None = None
+    id_sources: np.ndarray | None = None  # uint8 [N]: ID_*; None: every row from its text
+    # Rows that store ids but were tokenized from their text: {reason: count}, first example per reason.
+    id_fallbacks: dict[str, int] = field(default_factory=dict)
+    id_fallback_examples: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.id_sources is None:
+            self.id_sources = np.full(self.num_rows, ID_FROM_TEXT, dtype=np.uint8)
 
     @property
     def num_rows(self) -> int:
@@ -128,6 +144,9 @@ def load_cache(directory: Path, max_bad_rows: int) -> TokenizedData:
         files=meta["files"],
         skips=skips,
         directory=directory,
+        id_sources=np.load(directory / "id_sources.npy"),
+        id_fallbacks=meta["token_ids"]["fallback"],
+        id_fallback_examples=meta["token_ids"]["examples"],
     )
 
 
@@ -143,9 +162,13 @@ def build_cache(cfg: DataConfig, tokenizer, files: list[str], directory: Path) -
     skips = SkipCounts(max_bad_rows=cfg.max_bad_rows)
     staging = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
     staging.mkdir(parents=True, exist_ok=True)
+    fallbacks = IdFallbacks()
     try:
-        offsets, origins, response_counts = write_rows(cfg, tokenizer, files, skips, staging)
+        offsets, origins, response_counts, id_sources = write_rows(
+            cfg, tokenizer, files, skips, fallbacks, staging
+        )
         np.save(staging / "response.npy", np.asarray(response_counts, dtype=np.int64))
+        np.save(staging / "id_sources.npy", np.asarray(id_sources, dtype=np.uint8))
         np.save(staging / "offsets.npy", np.asarray(offsets, dtype=np.int64))
         np.save(staging / "rows.npy", np.asarray(origins, dtype=np.int64).reshape(-1, 2))
         meta = {
@@ -153,12 +176,38 @@ def build_cache(cfg: DataConfig, tokenizer, files: list[str], directory: Path) -
             "num_tokens": offsets[-1],
             "skips": skips.by_reason,
             "examples": skips.examples,
+            "token_ids": {"fallback": fallbacks.by_reason, "examples": fallbacks.examples},
         }
         meta["settings"] = {"format": cfg.format, "thinking": cfg.thinking}
         (staging / "meta.json").write_text(json.dumps(meta, indent=1))
         publish(staging, directory)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    if fallbacks.by_reason:
+        print(fallbacks.warning(), file=sys.stderr)
+
+
+@dataclass
+class IdFallbacks:
+    """Rows that store token ids but were tokenized from their text, by reason (``FALLBACK_REASONS``)."""
+
+    by_reason: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, str] = field(default_factory=dict)
+
+    def record(self, reason: str, detail: str, *, where: str) -> None:
+        self.by_reason[reason] = self.by_reason.get(reason, 0) + 1
+        self.examples.setdefault(reason, f"{where}: {detail}")
+
+    def warning(self) -> str:
+        lines = [
+            f"  {reason} ({n}): {FALLBACK_REASONS[reason]}; first: {self.examples[reason]}"
+            for reason, n in sorted(self.by_reason.items())
+        ]
+        total = sum(self.by_reason.values())
+        return (
+            f"data: WARNING {total} rows store token ids that do not fit this tokenizer and chat "
+            "template; they train from their text (as rows without ids do):\n" + "\n".join(lines)
+        )
 
 
 def publish(staging: Path, directory: Path) -> None:
@@ -169,31 +218,46 @@ def publish(staging: Path, directory: Path) -> None:
             raise
 
 
-def write_rows(cfg, tokenizer, files, skips: SkipCounts, staging: Path) -> tuple[list, list, list]:
-    """Stream tokenized rows into ids.bin/mask.bin; returns offsets, (file, line) and response counts."""
+def write_rows(
+    cfg, tokenizer, files, skips: SkipCounts, fallbacks: IdFallbacks, staging: Path
+) -> tuple[list, list, list, list]:
+    """Stream tokenized rows into ids.bin/mask.bin; returns offsets, (file, line), response counts
+    and id sources (``ID_*``)."""
     from tqdm.auto import tqdm
 
     file_index = {f: i for i, f in enumerate(files)}
     rows = iter_chat_rows(files, skips, cfg.format, cfg.streaming)
-    offsets, origins, response_counts = [0], [], []
+    offsets, origins, response_counts, id_sources = [0], [], [], []
     with (
         open(staging / "ids.bin", "wb") as ids_out,
         open(staging / "mask.bin", "wb") as mask_out,
         tqdm(desc="tokenizing", unit=" rows", disable=None, file=sys.stderr) as bar,
     ):
-        for row, (ids, mask, error) in tokenized_rows(rows, tokenizer, cfg):
+        for row, (chat, bad) in tokenized_rows(rows, tokenizer, cfg):
             bar.update(1)
-            if error is None:
-                error = trainability_error(mask)
+            error = BadRowError(*bad) if bad is not None else trainability_error(chat.loss_mask)
             if error is not None:
                 skips.record(error.reason, row.where, error.detail)
                 continue
-            ids_out.write(ids.tobytes())
-            mask_out.write(mask.astype(np.uint8).tobytes())
-            offsets.append(offsets[-1] + len(ids))
+            if chat.fallback is not None:
+                fallbacks.record(*chat.fallback, where=row.where)
+            ids_out.write(chat.ids.tobytes())
+            mask_out.write(chat.loss_mask.astype(np.uint8).tobytes())
+            offsets.append(offsets[-1] + len(chat.ids))
             origins.append((file_index[row.source], row.line))
-            response_counts.append(int(mask.sum()))
-    return offsets, origins, response_counts
+            response_counts.append(int(chat.loss_mask.sum()))
+            id_sources.append(id_source(chat.from_token_ids, row))
+    return offsets, origins, response_counts, id_sources
+
+
+def id_source(from_token_ids: bool, row: ChatRow) -> int:
+    """``ID_*`` of a kept row; regen's per-turn ``round_trip`` flags say whether its text would have
+    tokenized to the generated ids (absent: unknown, counted as round-tripping)."""
+    if not from_token_ids:
+        return ID_FROM_TEXT
+    regen = (row.extra or {}).get("regen")
+    round_trip = regen.get("round_trip") if isinstance(regen, dict) else None
+    return ID_STORED_NOT_ROUND_TRIP if isinstance(round_trip, list) and not all(round_trip) else ID_STORED
 
 
 def trainability_error(mask: np.ndarray) -> BadRowError | None:
@@ -215,18 +279,20 @@ def init_worker(tokenizer, thinking) -> None:
 
 
 def tokenize_task(conversations: list[list[dict]]) -> list[tuple]:
+    """(``TokenizedChat``, None) or (None, (reason, detail)) per conversation: the bad row's reason as
+    a tuple, since a ``BadRowError`` does not survive the trip back from a worker process (pickling
+    an exception re-creates it from its message alone)."""
     results = []
     for messages in conversations:
         try:
-            ids, mask = tokenize_chat(_WORKER["tokenizer"], messages, _WORKER["thinking"])
-            results.append((ids, mask, None))
+            results.append((tokenize_training_row(_WORKER["tokenizer"], messages, _WORKER["thinking"]), None))
         except BadRowError as err:
-            results.append((None, None, err))
+            results.append((None, (err.reason, err.detail)))
     return results
 
 
 def tokenized_rows(rows: Iterator[ChatRow], tokenizer, cfg: DataConfig) -> Iterator[tuple[ChatRow, tuple]]:
-    """(row, (ids, mask, error)) in input order, tokenized by ``cfg.num_workers`` processes."""
+    """(row, (tokenized chat, error)) in input order, tokenized by ``cfg.num_workers`` processes."""
     chunks = iter(lambda: list(islice(rows, ROWS_PER_TASK)), [])
     if cfg.num_workers <= 1:
         init_worker(tokenizer, cfg.thinking)

@@ -18,7 +18,7 @@ bucket filled with whole conversations, one shape for every step, the same (epoc
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -32,7 +32,7 @@ from dflash_train.data.batching import (
     padding_waste,
     rows_per_batch,
 )
-from dflash_train.data.cache import TokenizedData, load_or_build
+from dflash_train.data.cache import ID_FROM_TEXT, ID_STORED_NOT_ROUND_TRIP, TokenizedData, load_or_build
 from dflash_train.data.packing import PackingPlan
 from dflash_train.data.skips import SkipCounts
 
@@ -54,6 +54,12 @@ class DataStats:
     # data.packing: rows of the largest bucket filled with whole conversations.
     packing: bool = False
     conversations_per_row: float = 1.0
+    # Rows whose replies are the generated ids they store (data.stored_ids), how many of those would
+    # have re-tokenized from their text to other ids (regen.round_trip false), and the rows that store
+    # ids but were tokenized from their text, by reason.
+    rows_from_token_ids: int = 0
+    rows_not_round_trip: int = 0
+    token_ids_fallback: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -155,6 +161,7 @@ class TrainData:
             ),
             skips=self.skips.to_dict(),
             num_skipped=self.skips.num_skipped,
+            **self._token_id_stats(),
         )
 
     def _packed_stats(self) -> DataStats:
@@ -173,7 +180,16 @@ class TrainData:
             num_skipped=self.skips.num_skipped,
             packing=True,
             conversations_per_row=self.pack.conversations_per_row(),
+            **self._token_id_stats(),
         )
+
+    def _token_id_stats(self) -> dict[str, Any]:
+        sources = self.tokenized.id_sources[self.row_index]
+        return {
+            "rows_from_token_ids": int((sources != ID_FROM_TEXT).sum()),
+            "rows_not_round_trip": int((sources == ID_STORED_NOT_ROUND_TRIP).sum()),
+            "token_ids_fallback": dict(sorted(self.tokenized.id_fallbacks.items())),
+        }
 
     # ------------------------------------------------------------------ order
 
@@ -247,6 +263,7 @@ class TrainData:
             "padding_waste": s.padding_waste,
             "skipped_rows": s.num_skipped,
             "steps_per_epoch": s.steps_per_epoch,
+            "rows_from_token_ids": s.rows_from_token_ids,
         }
 
     # ------------------------------------------------------------------ resume

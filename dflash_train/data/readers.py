@@ -2,7 +2,8 @@
 
 Rows come in two forms, detected per row (``data.format=auto``) or forced:
 - ``messages``: ``{"messages": [{"role": "user", "content": "..."}, ...]}`` with roles
-  system/user/assistant/tool;
+  system/user/assistant/tool; an assistant message may store the ids the target generated for it
+  (``token_ids``, with the ``prompt_token_ids`` it was given; written by ``regen``);
 - ShareGPT ``conversations``: ``{"conversations": [{"from": "human", "value": "..."}, ...]}`` with
   human/gpt/system (mapped to user/assistant/system).
 
@@ -37,6 +38,8 @@ SHAREGPT_ROLES = {
 JSONL_SUFFIXES = (".jsonl", ".json")
 DATASET_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json"}
 DIRECTORY_SUFFIXES = (".jsonl", ".json", ".parquet")
+# Stored token ids of an assistant message: what the target generated and the prompt it was given.
+TOKEN_ID_KEYS = ("token_ids", "prompt_token_ids")
 
 
 @dataclass
@@ -248,7 +251,44 @@ def to_message(turn: Any, index: int) -> dict[str, Any]:
     # Arrow sources fill absent struct fields with None; drop them so templates see "undefined".
     message = {k: v for k, v in turn.items() if v is not None}
     message["content"] = content_text(turn.get("content"), index)
+    check_token_id_fields(message, index)
     return message
+
+
+def check_token_id_fields(message: dict[str, Any], index: int) -> None:
+    """The stored-ids fields of a message (docs/data.md, "Stored token ids"); raises ``BadRowError``.
+
+    An assistant message may carry ``token_ids`` (the ids the target generated for this reply) with
+    ``prompt_token_ids`` (the ids it was given); both or neither, lists of non-negative integers.
+    Whether they are inside the vocabulary is checked where the tokenizer is known (``data.stored_ids``).
+    """
+    present = [key for key in TOKEN_ID_KEYS if key in message]
+    if not present:
+        return
+    if message["role"] != "assistant":
+        raise BadRowError(
+            "malformed_token_ids",
+            f"message {index} ({message['role']}) has {present[0]}; only assistant messages store ids",
+        )
+    if len(present) == 1:
+        missing = next(key for key in TOKEN_ID_KEYS if key not in present)
+        raise BadRowError(
+            "malformed_token_ids",
+            f"message {index} has {present[0]} without {missing}; store both or neither",
+        )
+    for key in TOKEN_ID_KEYS:
+        ids = message[key]
+        if not isinstance(ids, list):
+            raise BadRowError(
+                "malformed_token_ids",
+                f"message {index} {key} must be a list of integers, got {type(ids).__name__}",
+            )
+        bad = next((j for j, t in enumerate(ids) if type(t) is not int or t < 0), None)  # bool is not an id
+        if bad is not None:
+            raise BadRowError(
+                "malformed_token_ids",
+                f"message {index} {key}[{bad}] = {ids[bad]!r} is not a token id (an integer >= 0)",
+            )
 
 
 def from_sharegpt(turn: Any, index: int) -> dict[str, Any]:

@@ -9,8 +9,10 @@ Each assistant turn is regenerated given the preceding, already regenerated turn
 and tool turns are kept). A row that ends without a reply (a prompt-only row, a ``synth --turns N``
 row ending with a user turn) gets one to its last turn.
 Output is JSONL in ``messages`` form; each row carries ``regen.key`` (source file name, line and a
-hash of the source messages). The output is appended to and flushed per batch, so an interrupted
-run resumes: rows whose key is already in the output are skipped, and a partially written last line
+hash of the source messages), and each generated assistant message the ``token_ids`` the target
+generated with the ``prompt_token_ids`` it was given, which training reads instead of re-tokenizing
+the text (``data.stored_ids``; the endpoint engine returns text only, so its rows store none). The
+output is appended to and flushed per batch, so an interrupted run resumes: rows whose key is already in the output are skipped, and a partially written last line
 is cut off first.
 
 Engines: ``transformers`` (in process: batched sampling with left padding, ``data.sampling``),
@@ -66,8 +68,10 @@ def run_regen(opts: RegenOptions) -> dict[str, Any]:
         else:
             todo.append(row)
     engine = build_engine(opts) if todo else None
-    # rows_not_round_trip: rows whose stored text re-tokenizes to other ids than generated (below).
+    # rows_not_round_trip: rows whose stored text re-tokenizes to other ids than generated (below);
+    # rows_with_token_ids: rows whose every reply stores its generated ids (training reads those).
     counts = {"rows_done": 0, "rows_hit_max_new_tokens": 0, "rows_failed": 0, "rows_not_round_trip": 0}
+    counts["rows_with_token_ids"] = 0
     mismatches: list[str] = []
     output.parent.mkdir(parents=True, exist_ok=True)
     failed_path = Path(str(output).removesuffix(".jsonl") + ".failed.jsonl")
@@ -87,6 +91,12 @@ def run_regen(opts: RegenOptions) -> dict[str, Any]:
         print(f"regen: {counts['rows_failed']} rows failed, see {failed_path}", file=sys.stderr)
     if counts["rows_not_round_trip"]:
         print(round_trip_warning(counts, mismatches), file=sys.stderr)
+    if counts["rows_done"] > counts["rows_with_token_ids"]:
+        print(
+            f"regen: {counts['rows_done'] - counts['rows_with_token_ids']} of {counts['rows_done']} rows store "
+            f"no generated token ids (engine {engine.name}: text only), so training re-tokenizes their text",
+            file=sys.stderr,
+        )
     return {
         **counts,
         "rows_skipped": num_skipped,
@@ -116,6 +126,7 @@ def write_results(
             continue
         out.write(json.dumps(output_row(row, messages, finished, opts, engine_name, round_trip)) + "\n")
         counts["rows_done"] += 1
+        counts["rows_with_token_ids"] += all("token_ids" in m for m in messages if m["role"] == "assistant")
         bad = [f"turn {t} {e}" for t, e in enumerate(round_trip or []) if e]
         if bad:
             counts["rows_not_round_trip"] += 1
@@ -155,11 +166,12 @@ def read_done_keys(output: Path) -> set[str]:
 
 def round_trip_warning(counts: dict, examples: list[str]) -> str:
     return (
-        f"regen: WARNING {counts['rows_not_round_trip']} of {counts['rows_done']} rows store a reply whose "
-        "text re-tokenizes (under the chat template, as training reads it) to other tokens than the "
-        "target generated, so the drafter learns tokens the target does not emit (regen.round_trip "
-        "is false in those rows). Typical causes: a target emitting a split its tokenizer never "
-        "produces (an undertrained model), or a reply merging with the template text before it. "
+        f"regen: {counts['rows_not_round_trip']} of {counts['rows_done']} rows store a reply whose "
+        "text re-tokenizes (under the chat template) to other tokens than the target generated "
+        "(regen.round_trip is false in those rows); training reads the generated token_ids stored "
+        "with each reply, but anything that re-tokenizes the text would learn tokens the target does "
+        "not emit. Typical causes: a target emitting a split its tokenizer never produces (an "
+        "undertrained model), or a reply merging with the template text before it. "
         f"First: {'; '.join(examples)}"
     )
 
@@ -281,15 +293,16 @@ class TransformersEngine:
             pad_id=self.pad_id,
             sampling=self.sampling,
         )
-        return [reply_from_ids(self.tokenizer, g.token_ids, g.finished) for g in generations]
+        return [reply_from_ids(self.tokenizer, g.token_ids, g.finished, p) for g, p in zip(generations, ids)]
 
 
-def reply_from_ids(tokenizer, token_ids: list[int], finished: bool) -> Reply:
-    """The stored reply of generated ids (stop token excluded). Special tokens stay in the text and
-    nothing is cleaned up or stripped, so the text re-encodes to these ids wherever the tokenizer can
-    (``round_trip_error`` counts the rest)."""
+def reply_from_ids(tokenizer, token_ids: list[int], finished: bool, prompt_ids: list[int]) -> Reply:
+    """The stored reply of generated ids (stop token excluded) after the prompt ids the engine fed.
+    Special tokens stay in the text and nothing is cleaned up or stripped, so the text re-encodes to
+    these ids wherever the tokenizer can (``round_trip_error`` counts the rest); training reads the
+    ids themselves (``data.stored_ids``)."""
     text = tokenizer.decode(token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    return Reply(text, finished, token_ids=tuple(token_ids))
+    return Reply(text, finished, token_ids=tuple(token_ids), prompt_token_ids=tuple(prompt_ids))
 
 
 def reply_stop_ids(tokenizer, eos: list[int], kwargs: dict) -> set[int]:
@@ -313,6 +326,10 @@ class VllmEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self.opts = opts
         self.template_kwargs = template_kwargs(THINKING[opts.thinking])
+        # vLLM stops at the tokenizer's EOS on its own; the generation config's EOS ids and the
+        # template's end of turn must be named, the stops of the transformers engine.
+        eos = resolve_eos_ids(self.tokenizer, target_generation_config(opts.target))
+        self.stop_ids = reply_stop_ids(self.tokenizer, eos, self.template_kwargs)
 
     def regenerate(self, rows: list[ChatRow]):
         return regenerate(self, rows)
@@ -332,6 +349,7 @@ class VllmEngine:
                 top_p=self.opts.top_p,
                 max_tokens=self.opts.max_new_tokens,
                 seed=key % 2**31,
+                stop_token_ids=sorted(self.stop_ids),
             )
             for key in keys
         ]
@@ -340,14 +358,24 @@ class VllmEngine:
             {"prompt_token_ids": self.tokenizer(p, add_special_tokens=False)["input_ids"]} for p in prompts
         ]
         outputs = self.llm.generate(ids, params, use_tqdm=False)
-        return [self.reply(o.outputs[0]) for o in outputs]
+        return [self.reply(o.outputs[0], o.prompt_token_ids) for o in outputs]
 
-    def reply(self, completion) -> Reply:
+    def reply(self, completion, prompt_ids: list[int]) -> Reply:
         """Decoded here like the transformers engine (vLLM's own text drops special tokens)."""
         ids, finished = list(completion.token_ids), completion.finish_reason == "stop"
-        if finished and ids and ids[-1] in set(self.tokenizer.all_special_ids):
-            ids = ids[:-1]  # the EOS it stopped at
-        return reply_from_ids(self.tokenizer, ids, finished)
+        if finished and ids and ids[-1] in self.stop_ids | set(self.tokenizer.all_special_ids):
+            ids = ids[:-1]  # the stop token (or the tokenizer's EOS) it stopped at
+        return reply_from_ids(self.tokenizer, ids, finished, prompt_ids)
+
+
+def target_generation_config(target: str):
+    """The target's ``generation_config.json`` as transformers reads it; None when it has none."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(target)
+    except OSError:
+        return None
 
 
 def options_from_args(args) -> RegenOptions:

@@ -20,13 +20,16 @@ THINKING = {"on": True, "off": False, "default": None}
 
 class Reply(NamedTuple):
     """One generated turn: its text, whether it ended on a stop token, an error (endpoint only), and
-    the generated token ids (in-process engines; stop token excluded) for the round-trip check."""
+    the generated token ids (stop token excluded) with the prompt ids the engine fed. Engines that
+    know both (the in-process ones) set both: the output row stores them for training
+    (docs/data.md, "Stored token ids") and the round-trip check uses them. The endpoint returns text."""
 
     text: str
     finished: bool
     error: str | None = None
     reasoning: str | None = None
     token_ids: tuple[int, ...] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
 
 
 def row_key(row: ChatRow) -> str:
@@ -52,6 +55,9 @@ def assistant_message(reply: Reply) -> dict:
     message = {"role": "assistant", "content": reply.text}
     if reply.reasoning:
         message["reasoning_content"] = reply.reasoning  # a server's reasoning parser split it off
+    if reply.token_ids is not None and reply.prompt_token_ids is not None:  # what training reads
+        message["token_ids"] = list(reply.token_ids)
+        message["prompt_token_ids"] = list(reply.prompt_token_ids)
     return message
 
 

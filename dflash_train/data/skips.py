@@ -22,6 +22,7 @@ BAD_ROW_REASONS = (
     "template_error",
     "no_response_tokens",
     "no_valid_anchor",
+    "malformed_token_ids",
 )
 # Outcomes of data.overlong, counted but not limited.
 POLICY_REASONS = ("overlong_dropped", "overlong_truncated", "truncated_without_anchor")
@@ -36,6 +37,7 @@ REMEDIES = {
     "template_error": "check that the row fits the target's chat template",
     "no_response_tokens": "the assistant turns render to no tokens; remove the row",
     "no_valid_anchor": "a row needs at least 2 consecutive response tokens; remove the row",
+    "malformed_token_ids": "store token_ids and prompt_token_ids as the target's ids (docs/data.md), or remove both",
 }
 
 

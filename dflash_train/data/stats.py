@@ -1,7 +1,8 @@
 """``dflash-train data-stats``: what a recipe's data becomes before any GPU time is spent.
 
 Tokenizes (or loads the cache of) the recipe's data with the target's tokenizer and reports rows,
-tokens, response tokens, the length histogram by bucket, padding waste and skips by reason.
+tokens, response tokens, the length histogram by bucket, padding waste, skips by reason and how many
+rows train from the generated token ids they store (``data.stored_ids``).
 The padding waste is reported for both batching modes (length buckets and ``data.packing``), so
 the choice can be made before training (docs/data.md, "Packing").
 """
@@ -42,6 +43,7 @@ def run_data_stats(recipe: str, overrides: list[str] | None = None) -> dict[str,
     print_histogram(stats.rows_per_bucket, stats.rows_per_batch, stats.batches_per_bucket)
     for reason, example in sorted(data.skips.examples.items()):
         print(f"skipped {reason}: {stats.skips.get(reason, 0)} (first: {example})")
+    print_token_id_sources(data)
     waste = waste_by_mode(data)
     print(
         f"padding waste: buckets {waste['buckets']:.1%}, packing {waste['packing']:.1%} "
@@ -60,9 +62,24 @@ def run_data_stats(recipe: str, overrides: list[str] | None = None) -> dict[str,
         "padding_waste_packed": round(waste["packing"], 4),
         "conversations_per_row": round(waste["conversations_per_row"], 3),
         "skips": stats.skips,
+        "rows_from_token_ids": stats.rows_from_token_ids,
+        "rows_not_round_trip": stats.rows_not_round_trip,
+        "token_ids_fallback": stats.token_ids_fallback,
         "cache": str(data.tokenized.directory),
     }
     return result
+
+
+def print_token_id_sources(data: TrainData) -> None:
+    """Rows trained from stored generated ids, and the rows whose stored ids fell back to their text."""
+    stats = data.stats
+    print(
+        f"rows from stored token ids: {stats.rows_from_token_ids} of {stats.num_rows} "
+        f"({stats.rows_not_round_trip} of them would re-tokenize from their text to other ids)"
+    )
+    for reason, count in stats.token_ids_fallback.items():
+        first = data.tokenized.id_fallback_examples.get(reason, "")
+        print(f"stored token ids not used, trained from text, {reason}: {count} (first: {first})")
 
 
 def waste_by_mode(data: TrainData) -> dict[str, float]:

@@ -1,0 +1,182 @@
+"""Training rows from the token ids the target generated, where the data stores them.
+
+Text cannot carry every id sequence: a target may emit a split its tokenizer never produces (two
+``\\n`` tokens where the text re-encodes to one ``\\n\\n``), or a reply's first characters may merge
+with the template text before them. Re-tokenizing such a reply teaches the drafter tokens the target
+never emitted. ``regen`` therefore stores, per assistant message, the generated ``token_ids`` and the
+``prompt_token_ids`` the target was given (docs/data.md, "Stored token ids"), and training uses them:
+
+- the conversation is rendered with the chat template as on the text path (``data.tokenize``);
+- for every assistant message with ids, the rendering before its reply must be exactly its
+  generation prompt (``render(messages[:i], add_generation_prompt=True)``), which must tokenize to the
+  stored ``prompt_token_ids``, and the reply must be written verbatim (the ids decode to ``content``);
+- the row is then the template text between replies, tokenized piece by piece, with each reply's
+  text replaced by its stored ids. The first piece is the first reply's prompt, so the row starts with
+  exactly the ids the target saw, followed by exactly the ids it generated. The loss mask covers the
+  generated ids and the template's end-of-turn text after them, as on the text path.
+
+Rows whose stored ids do not fit the current tokenizer and template (another ``data.thinking`` than
+regen's ``--thinking``, another template, an edited reply) are tokenized from their text as before and
+counted by reason (``FALLBACK_REASONS``); ids outside the vocabulary are a bad row
+(``malformed_token_ids``). Rows without ids take the text path unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from dflash_train.data.readers import TOKEN_ID_KEYS
+from dflash_train.data.skips import BadRowError
+from dflash_train.data.tokenize import (
+    TemplateError,
+    assistant_char_spans,
+    render,
+    template_kwargs,
+    tokenize_chat,
+)
+
+# Why a row with stored ids was tokenized from its text instead (counted, never a skip).
+FALLBACK_REASONS = {
+    "prompt_mismatch": "the stored prompt_token_ids differ from the chat template's rendering now "
+    "(rows regenerated with another tokenizer, template or --thinking than data.thinking)",
+    "content_mismatch": "the stored token_ids do not decode to the message content (edited after regen)",
+    "template_mismatch": "the chat template renders the reply or its context otherwise than the "
+    "generation prompt it was generated from",
+}
+
+
+class StoredIdsMismatch(Exception):
+    """Stored ids that cannot be placed in this rendering; the row falls back to its text."""
+
+    def __init__(self, reason: str, detail: str):
+        assert reason in FALLBACK_REASONS, reason
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+class TokenizedChat(NamedTuple):
+    """One training row: ids int32 [L], loss mask bool [L], and where the reply ids came from."""
+
+    ids: np.ndarray
+    loss_mask: np.ndarray
+    from_token_ids: bool  # the replies are the stored generated ids
+    # (reason, detail) of stored ids that could not be used (the text path was taken); a tuple,
+    # not the exception, so that it pickles from a tokenizer worker process.
+    fallback: tuple[str, str] | None = None
+
+
+def has_token_ids(messages: list[dict[str, Any]]) -> bool:
+    return any("token_ids" in m for m in messages)
+
+
+def without_token_ids(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as the chat template sees them (the id lists are not for the template)."""
+    return [{k: v for k, v in m.items() if k not in TOKEN_ID_KEYS} for m in messages]
+
+
+def tokenize_training_row(
+    tokenizer, messages: list[dict[str, Any]], thinking: bool | None = None
+) -> TokenizedChat:
+    """The training ids and loss mask of one row: from its stored ids where it has usable ones, else
+    from its text (``data.tokenize.tokenize_chat``). Raises ``BadRowError``."""
+    if not has_token_ids(messages):
+        return TokenizedChat(*tokenize_chat(tokenizer, messages, thinking), from_token_ids=False)
+    check_vocabulary(tokenizer, messages)
+    clean = without_token_ids(messages)
+    try:
+        if not getattr(tokenizer, "is_fast", False):
+            raise StoredIdsMismatch(
+                "template_mismatch", "placing stored ids needs a fast tokenizer (offsets)"
+            )
+        ids, mask = tokenize_with_stored_ids(tokenizer, messages, clean, template_kwargs(thinking))
+    except StoredIdsMismatch as mismatch:
+        fallback = (mismatch.reason, mismatch.detail)
+        return TokenizedChat(
+            *tokenize_chat(tokenizer, clean, thinking), from_token_ids=False, fallback=fallback
+        )
+    return TokenizedChat(np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool), from_token_ids=True)
+
+
+def check_vocabulary(tokenizer, messages: list[dict[str, Any]]) -> None:
+    """Every stored id is a token of ``tokenizer`` (readers checked that they are integers >= 0)."""
+    vocab_size = len(tokenizer)
+    for index, message in enumerate(messages):
+        for key in TOKEN_ID_KEYS:
+            ids = message.get(key) or []
+            if ids and max(ids) >= vocab_size:
+                bad = next(j for j, t in enumerate(ids) if t >= vocab_size)
+                raise BadRowError(
+                    "malformed_token_ids",
+                    f"message {index} {key}[{bad}] = {ids[bad]} is outside the tokenizer's {vocab_size} "
+                    "tokens (were the rows generated by another target?)",
+                )
+
+
+def tokenize_with_stored_ids(tokenizer, messages, clean, kwargs) -> tuple[list[int], list[bool]]:
+    """Template text piece by piece with each stored reply spliced in; raises ``StoredIdsMismatch``."""
+    try:
+        full, spans = assistant_char_spans(tokenizer, clean, kwargs)
+    except TemplateError as err:  # the text path (generation markers) may still give a mask
+        raise StoredIdsMismatch("template_mismatch", str(err)) from err
+    turns = [i for i, m in enumerate(clean) if m["role"] == "assistant"]
+    ids: list[int] = []
+    mask: list[bool] = []
+    cursor = 0
+    for i, (start, _) in zip(turns, spans):
+        if "token_ids" not in messages[i]:
+            continue  # an assistant turn without ids stays text, masked by its span below
+        end = reply_end(tokenizer, messages[i], clean, i, full, start, kwargs)
+        append_text(tokenizer, full, cursor, start, spans, ids, mask)
+        ids += messages[i]["token_ids"]
+        mask += [True] * len(messages[i]["token_ids"])
+        cursor = end
+    append_text(tokenizer, full, cursor, len(full), spans, ids, mask)
+    return ids, mask
+
+
+def reply_end(tokenizer, message, clean, i: int, full: str, start: int, kwargs) -> int:
+    """Where reply ``i``'s text ends in ``full``, after checking that its stored ids fit there."""
+    prompt = render(tokenizer, clean[:i], kwargs, generation_prompt=True)
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    stored = message["prompt_token_ids"]
+    if prompt_ids != stored:
+        k = next(
+            (j for j, (a, b) in enumerate(zip(stored, prompt_ids)) if a != b),
+            min(len(stored), len(prompt_ids)),
+        )
+        raise StoredIdsMismatch(
+            "prompt_mismatch",
+            f"assistant message {i}: stored prompt_token_ids ({len(stored)}) differ from the chat template's "
+            f"rendering ({len(prompt_ids)}) at token {k}: stored {stored[k : k + 4]}, now {prompt_ids[k : k + 4]}",
+        )
+    text = tokenizer.decode(
+        message["token_ids"], skip_special_tokens=False, clean_up_tokenization_spaces=False
+    )
+    if text != message["content"]:
+        raise StoredIdsMismatch(
+            "content_mismatch",
+            f"assistant message {i}: token_ids decode to {text[:40]!r}, the content is {message['content'][:40]!r}",
+        )
+    if start != len(prompt) or not full.startswith(prompt) or full[start : start + len(text)] != text:
+        raise StoredIdsMismatch(
+            "template_mismatch",
+            f"assistant message {i}: the chat template does not render its generation prompt followed by "
+            f"the reply verbatim (rendered from character {start}: {full[start : start + 40]!r})",
+        )
+    return start + len(text)
+
+
+def append_text(tokenizer, full: str, lo: int, hi: int, spans, ids: list[int], mask: list[bool]) -> None:
+    """Tokenize ``full[lo:hi]`` alone; a token is a loss token when it starts inside a response span
+    (the end-of-turn text after a stored reply, or an assistant turn without stored ids)."""
+    if hi <= lo:
+        return
+    enc = tokenizer(full[lo:hi], add_special_tokens=False, return_offsets_mapping=True)
+    starts = lo + np.asarray([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
+    in_span = np.zeros(len(starts), dtype=bool)
+    for span_lo, span_hi in spans:
+        in_span |= (starts >= span_lo) & (starts < span_hi)
+    ids += enc["input_ids"]
+    mask += in_span.tolist()
