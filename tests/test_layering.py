@@ -1,9 +1,9 @@
 """The package's import structure: models < config < data < train/eval < bench/demo < cli, no cycles.
 
-Every ``import`` of a ``dflash_train`` module counts, lazy ones inside functions included (a lazy
-import only hides a cycle until the function runs); imports under ``if TYPE_CHECKING:`` do not, as
-they never run (models/ names the config dataclasses in annotations; config validates recipes
-against the model presets).
+Every ``import`` of a ``dflash_train`` module counts, wherever it stands: lazy ones inside
+functions (a lazy import only hides a cycle until the function runs) and type-only ones under
+``if TYPE_CHECKING:`` (they never run, but the modules still depend on each other: a reader, a
+type checker and any later runtime use see the circle). Relative imports count as what they name.
 """
 
 from __future__ import annotations
@@ -40,29 +40,27 @@ def import_graph() -> dict[str, set[str]]:
     names = module_names()
     graph = {}
     for name, path in names.items():
-        imported = set()
-        for node in runtime_nodes(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                imported |= {alias.name for alias in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                imported.add(node.module)
-                imported |= {f"{node.module}.{alias.name}" for alias in node.names}
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        imported = imported_names(ast.parse(path.read_text(), str(path)), package)
         # A package's own __init__ is not an edge: importing pkg.mod always runs it.
         graph[name] = {m for m in imported if m in names and m != name and not name.startswith(m + ".")}
         graph[name] -= {"dflash_train"}
     return graph
 
 
-def runtime_nodes(tree: ast.AST):
-    """Every node of ``tree`` outside ``if TYPE_CHECKING:`` blocks."""
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        yield node
-        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
-            stack.extend(node.orelse)
-            continue
-        stack.extend(ast.iter_child_nodes(node))
+def imported_names(tree: ast.AST, package: str) -> set[str]:
+    """Every dotted name ``tree`` imports, anywhere in it (``from a import b`` gives a and a.b; a
+    relative import is resolved against ``package``, the importing module's package)."""
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            imported.add(module)
+            imported |= {f"{module}.{alias.name}" for alias in node.names}
+    return imported
 
 
 def layer(module: str) -> int:
@@ -90,6 +88,27 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         if node not in state and (cycle := visit(node)):
             return cycle
     return None
+
+
+def test_type_only_function_level_and_relative_imports_count():
+    """The graph sees every kind of import (else a circle hides behind one)."""
+    source = """
+from typing import TYPE_CHECKING
+if TYPE_CHECKING:
+    from dflash_train.config import RunConfig
+def build():
+    import dflash_train.train.step
+    from dflash_train.models import presets
+    from . import readers
+    from ..eval.verdict import verdict
+"""
+    assert imported_names(ast.parse(source), "dflash_train.data") >= {
+        "dflash_train.config",
+        "dflash_train.train.step",
+        "dflash_train.models.presets",
+        "dflash_train.data.readers",
+        "dflash_train.eval.verdict",
+    }
 
 
 def test_every_top_level_part_has_a_layer():

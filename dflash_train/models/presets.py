@@ -9,14 +9,12 @@ into the complete ``DFlashDraftConfig``.
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from transformers import PretrainedConfig, Qwen3_5TextConfig, Qwen3Config
 
 from dflash_train.models.drafter_config import DFlashDraftConfig, check_ascending_layer_ids
-
-if TYPE_CHECKING:  # annotations only: config.py validates against models/, not the reverse
-    from dflash_train.config import DrafterConfig
+from dflash_train.models.recipe_config import DrafterConfig
 
 
 def qwen36_27b_target_config(num_hidden_layers: int = 64) -> Qwen3_5TextConfig:

@@ -18,7 +18,7 @@ import dataclasses
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from dflash_train.models import presets
 from dflash_train.models.drafter_config import DFlashDraftConfig
 from dflash_train.models.dtypes import resolve_dtype
 from dflash_train.models.gated_delta_net import bind_fused_gated_delta_net
+from dflash_train.models.recipe_config import TargetConfig
 from dflash_train.models.target_fp8 import check_fp8_support, quantize_target_linears
 from dflash_train.models.target_kernels import (
     bind_fla_causal_conv,
@@ -44,9 +45,6 @@ from dflash_train.models.target_loading import (
     meta_text_model,
     preset_config,
 )
-
-if TYPE_CHECKING:  # annotations only: config.py validates against models/, not the reverse
-    from dflash_train.config import TargetConfig
 
 __all__ = [
     "FrozenTarget",

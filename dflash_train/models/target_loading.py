@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,10 +20,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from dflash_train.models import presets
 from dflash_train.models.builtin_targets import resolve_builtin_target
 from dflash_train.models.dtypes import resolve_dtype
+from dflash_train.models.recipe_config import TargetConfig
 from dflash_train.models.target_kernels import package_importable
-
-if TYPE_CHECKING:  # annotations only: config.py validates against models/, not the reverse
-    from dflash_train.config import TargetConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # Multimodal Qwen3.5/3.6 checkpoints store the text stack under this prefix.
