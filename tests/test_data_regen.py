@@ -247,3 +247,71 @@ def test_regen_answers_the_last_user_turn_of_a_multi_turn_row(tiny_hybrid_dir, t
     assert error is None and finished == [True, True]
     assert seen == [["system", "user"], ["system", "user", "assistant", "user"]]
     assert [m["content"] for m in conversation[2::2]] == ["reply 1", "reply 2"]
+
+
+class FakeVllm:
+    """A stand-in for the ``vllm`` module: the "model" always writes ``hello``, the template's
+    end-of-turn token, then more text; it stops like vLLM, at the tokenizer's EOS or a
+    ``stop_token_ids`` entry (kept as the last output id) or after ``max_tokens``."""
+
+    def __init__(self):
+        self.params = []
+        fake = self
+
+        class LLM:
+            def __init__(self, model, seed):
+                from transformers import AutoTokenizer
+
+                self.tokenizer = AutoTokenizer.from_pretrained(model)
+
+            def get_tokenizer(self):
+                return self.tokenizer
+
+            def generate(self, prompts, params, use_tqdm):
+                from types import SimpleNamespace
+
+                tok = self.tokenizer
+                stream = tok("hello<|im_end|> and then some", add_special_tokens=False)["input_ids"]
+                outputs = []
+                for prompt, p in zip(prompts, params):
+                    fake.params.append(p)
+                    stops = {tok.eos_token_id, *(p.kwargs.get("stop_token_ids") or [])}
+                    end = next((k + 1 for k, t in enumerate(stream) if t in stops), None)
+                    ids, reason = (
+                        (stream[:end], "stop") if end else (stream[: p.kwargs["max_tokens"]], "length")
+                    )
+                    completion = SimpleNamespace(token_ids=ids, finish_reason=reason)
+                    outputs.append(
+                        SimpleNamespace(outputs=[completion], prompt_token_ids=prompt["prompt_token_ids"])
+                    )
+                return outputs
+
+        class SamplingParams:
+            def __init__(self, **kwargs):
+                self.kwargs = kwargs
+
+        self.LLM, self.SamplingParams = LLM, SamplingParams
+
+
+def test_vllm_engine_stops_at_the_templates_end_of_turn(tmp_path, monkeypatch):
+    """A target whose EOS is not the template's end-of-turn token (a base-model tokenizer, a
+    generation config naming only <|endoftext|>): vLLM must be told to stop at <|im_end|> too, as the
+    transformers engine does, or the reply runs past its turn and still counts as finished."""
+    import sys
+
+    from tests.chat_families import family_tokenizer, save_family_target
+
+    tokenizer = family_tokenizer("qwen35")
+    tokenizer.eos_token = "<|endoftext|>"
+    eos, end_of_turn = tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"])
+    target = save_family_target(tmp_path / "t", "qwen35", tokenizer=tokenizer, eos_ids=[eos])
+    fake = FakeVllm()
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    output = tmp_path / "o.jsonl"
+    result = run_regen(regen_args(target, data, output, engine="vllm", max_new_tokens=16))
+    assert result["engine"] == "vllm" and result["rows_done"] == 1
+    assert set(fake.params[0].kwargs["stop_token_ids"]) == {eos, end_of_turn}
+    (row,) = read_jsonl(output)
+    assert row["messages"][-1]["content"] == "hello" and row["regen"]["finished"] == [True]
