@@ -113,6 +113,34 @@ def test_every_drafter_key_but_init_from_is_checked():
     ckpt.check_resume_compatible(saved, {"drafter": {"head_dim": 128, "init_from": "b"}}, [])
 
 
+@pytest.mark.parametrize(
+    "key,saved_value,new_value",
+    [
+        ("train.anchors_per_token", 0.0, 0.5),
+        ("train.dtype", "float32", "bfloat16"),
+        ("target.dtype", "float32", "bfloat16"),
+        ("target.fp8", False, True),
+        ("data.thinking", None, False),
+        ("data.overlong", "truncate", "drop"),
+        ("data.packing", False, True),
+        ("data.pack_window", 4096, 64),
+    ],
+)
+def test_resume_refuses_what_changes_the_features_tokens_rows_or_numerics(key, saved_value, new_value):
+    section, name = key.split(".")
+    saved, now = {section: {name: saved_value}}, {section: {name: new_value}}
+    with pytest.raises(ValueError, match=rf"{key}: checkpoint {saved_value!r} -> now {new_value!r}"):
+        ckpt.check_resume_compatible(saved, now, [])
+    ckpt.check_resume_compatible(saved, now, [key])
+
+
+def test_a_key_the_checkpoint_predates_counts_as_its_default():
+    """A recipe written before data.packing existed was trained without packing."""
+    ckpt.check_resume_compatible({"data": {}}, {"data": {"packing": False}}, [])
+    with pytest.raises(ValueError, match=r"data.packing: checkpoint False -> now True"):
+        ckpt.check_resume_compatible({"data": {}}, {"data": {"packing": True}}, [])
+
+
 def test_state_shape_mismatch_becomes_a_value_error(tmp_path):
     model = torch.nn.Linear(4, 3, bias=False)
     optimizer = torch.optim.AdamW(model.parameters())

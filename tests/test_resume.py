@@ -192,6 +192,26 @@ def test_resume_refuses_a_changed_drafter_naming_the_key(task, four_step_run, tm
         resume_copy(task, four_step_run, tmp_path, change)
 
 
+@pytest.mark.parametrize(
+    "change,key",
+    [
+        ("data.packing=true", "data.packing"),
+        ("data.thinking=false", "data.thinking"),
+        ("train.dtype=bfloat16", "train.dtype"),
+    ],
+)
+def test_resume_refuses_changed_data_or_numerics_naming_the_key(task, four_step_run, tmp_path, change, key):
+    with pytest.raises(
+        ValueError, match=rf"refusing to resume: .*{key}: checkpoint .*allow_changed=\[.*{key}"
+    ):
+        resume_copy(task, four_step_run, tmp_path, change)
+
+
+def test_allowed_change_of_dtype_resumes(task, four_step_run, tmp_path):
+    allow = "checkpoint.allow_changed=[train.dtype]"
+    assert resume_copy(task, four_step_run, tmp_path, "train.dtype=bfloat16", allow)["step"] == 4
+
+
 def test_allowed_change_of_shape_still_fails_with_a_clear_message(task, four_step_run, tmp_path):
     allow = "checkpoint.allow_changed=[drafter.intermediate_size,drafter_config.intermediate_size]"
     with pytest.raises(

@@ -25,10 +25,12 @@ rank 0 alone) still resume and export; ``load_checkpoint`` tells the two apart.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import re
 import shutil
+import typing
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -39,6 +41,7 @@ import torch.distributed as dist
 import yaml
 from safetensors.torch import load_file
 
+from dflash_train.config import RunConfig
 from dflash_train.models.export import DCP_DIR_NAME, checkpoint_tensor_shapes, quiet_single_process_dcp
 
 COMMIT_MARKER = "COMMITTED"
@@ -65,6 +68,14 @@ RESUME_CRITICAL = (
     "train.grad_accum",
     "train.lr_schedule",
     "train.seed",
+    "train.anchors_per_token",  # anchors of a packed row
+    "train.dtype",  # the drafter's compute dtype
+    "target.dtype",  # the features the drafter learns from
+    "target.fp8",
+    "data.thinking",  # another chat-template rendering: other tokens
+    "data.overlong",  # other rows and another epoch plan
+    "data.packing",
+    "data.pack_window",
 )
 # drafter.* keys that do not change the drafter a resume continues (its weights come from the
 # checkpoint, not from init_from). Every other drafter.* key is architecture or semantics.
@@ -321,11 +332,28 @@ def load_sharded_state(
     set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
+_ABSENT = object()
+
+
 def _lookup(tree: dict[str, Any], dotted: str) -> Any:
+    """The value of a dotted key of a recipe dict; a key the recipe lacks (written before the key
+    existed) has the key's default, which is how the options added since then keep the old behaviour."""
     node: Any = tree
     for part in dotted.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
-    return node
+        node = node.get(part, _ABSENT) if isinstance(node, dict) else _ABSENT
+    return recipe_default(dotted) if node is _ABSENT else node
+
+
+def recipe_default(dotted: str) -> Any:
+    """The default of ``section.key`` in the recipe's dataclasses, or None for a required or unknown key."""
+    section, _, name = dotted.partition(".")
+    section_type = typing.get_type_hints(RunConfig).get(section)
+    for f in dataclasses.fields(section_type) if dataclasses.is_dataclass(section_type) else ():
+        if f.name == name and f.default is not dataclasses.MISSING:
+            return f.default
+        if f.name == name and f.default_factory is not dataclasses.MISSING:
+            return f.default_factory()
+    return None
 
 
 def resume_checked_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
