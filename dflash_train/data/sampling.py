@@ -1,4 +1,9 @@
-"""Batched sampling from a causal LM for ``synth`` and ``regen``: left padding, KV cache, seeded rows.
+"""Per-row seeded token draws, and the padded-batch engine (the fallback of ``data/generation.py``).
+
+``data/generation.py``'s slot engine is what synth, regen and the exact eval run; it draws every
+token with ``choose_tokens`` / ``row_uniforms`` below and runs ``left_pad``'s prefill. The loop
+here (``sample_batch``) is the simpler engine it replaced: the fallback for models the slot engine
+cannot run, and the reference its tests and the generation benchmark compare against.
 
 Prompts are LEFT-padded (the next token of every row sits in the last column) under an attention
 mask, with position ids that restart at 0 on each row's first real token, so a row computes what it
@@ -47,10 +52,11 @@ class Sampling:
 
 @dataclass
 class Generation:
-    """One row's new tokens (stop token excluded) and whether it ended on a stop token."""
+    """One row's new tokens (stop token excluded), whether it ended on a stop token, and which."""
 
     token_ids: list[int]
     finished: bool
+    stop_id: int | None = None
 
 
 def row_streams(seed: int, keys: torch.Tensor) -> torch.Tensor:
@@ -164,17 +170,17 @@ def compact_cache(cache, keep: torch.Tensor) -> bool:
 def collect(steps, num_rows: int, stops: torch.Tensor) -> list[Generation]:
     """Per-row token lists up to (excluding) the first stop id, from the per-step records."""
     tokens_per_row: list[list[int]] = [[] for _ in range(num_rows)]
-    finished = [False] * num_rows
+    stopped_at: list[int | None] = [None] * num_rows
     stop_set = set(stops.tolist())
     for rows, tokens, done_before in steps:
         for r, t, d in zip(rows.tolist(), tokens.tolist(), done_before.tolist()):
             if d:
                 continue
             if t in stop_set:
-                finished[r] = True
+                stopped_at[r] = t
             else:
                 tokens_per_row[r].append(t)
-    return [Generation(ids, fin) for ids, fin in zip(tokens_per_row, finished)]
+    return [Generation(ids, stop is not None, stop) for ids, stop in zip(tokens_per_row, stopped_at)]
 
 
 def resolve_device(device: str) -> str:

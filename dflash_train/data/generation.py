@@ -1,0 +1,452 @@
+"""The batched generation engine of synth, regen and the exact eval: fixed slots, refilled as rows end.
+
+``SlotEngine`` keeps ``S`` batch slots. Every prompt waits in a queue (longest first); a free slot
+takes the next one, so a batch never waits for its longest row: the moment a row stops (stop id or
+``max_new_tokens``) its slot is refilled from the queue (continuous batching, as serving engines do).
+
+- Admission: the admitted prompts are prefilled together (left padded, the same forward as the
+  padded engine of ``data.sampling``, in groups of at most ``max_prefill_tokens``), their first
+  token is drawn from the prefill's logits, and their cache rows are copied into their slots of a
+  preallocated ``SlotCache`` (``data/slot_cache.py``): attention K/V per slot from index 0,
+  GatedDeltaNet conv/recurrent states per slot (fixed size, updated in place).
+- Decode step: one token for every slot, shape [S, 1] whatever the rows' lengths: position ids
+  are each slot's own, K/V are written at each slot's own index, and a 4D mask shows slot r the
+  indices <= its position. The step reads and writes only preallocated buffers (last tokens,
+  positions, step counts, done/stopped flags, the generated tokens [S, max_new_tokens]), so on
+  CUDA it is captured as a CUDA graph and replayed. It attends the first ``kv_length`` cache
+  indices, a bucket (multiple of ``kv_bucket``) above every running row's position, which the host
+  knows without a sync; one graph per bucket, all in one memory pool (no graph keeps live tensors
+  across replays: its results go to the engine's buffers).
+- Host: every ``check_every`` steps one sync reads the done flags; finished rows' tokens are
+  collected and their slots refilled once at least ``refill_fraction`` of the slots are free
+  (or nothing is running), so small prefills do not interrupt decoding every step.
+
+Finished rows keep stepping (frozen position, results discarded) until the next check.
+The per-row contract is the padded engine's: the token of row r at step t is drawn with the
+splitmix64 uniform of (seed, key[r], t), greedy at temperature 0, the stop token excluded from the
+tokens and reported as ``Generation.stop_id``. A row therefore gets the same tokens in either engine
+(in fp32 exactly, up to ties), in any slot, batch or admission order.
+
+``build_generator`` picks this engine, or the padded engine where ``slot_engine_problem`` names a
+reason (sliding-window attention, flash attention, sharded parameters), with a warning.
+
+Shapes: S slots, G admitted rows, C cache capacity, N max new tokens, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import deque
+from collections.abc import Callable, Collection, Sequence
+
+import torch
+
+from dflash_train.data.sampling import (
+    Generation,
+    Sampling,
+    choose_tokens,
+    left_pad,
+    row_streams,
+    row_uniforms,
+    sample_batch,
+    step_keys,
+)
+from dflash_train.data.slot_cache import SlotCache
+
+# on_rows(num_rows_finished, num_tokens_generated), called as rows finish (progress bars).
+RowsCallback = Callable[[int, int], None]
+SUPPORTED_LAYER_TYPES = {"full_attention", "linear_attention"}
+FREE_MEMORY_FRACTION = 0.9  # of the free GPU memory the slot cache may take
+
+
+def slot_engine_problem(model: torch.nn.Module) -> str | None:
+    """Why ``SlotEngine`` cannot run ``model`` (then the padded engine does), or None."""
+    config = model.config.get_text_config(decoder=True)
+    attention = str(getattr(model.config, "_attn_implementation", None) or "eager")
+    if attention not in ("sdpa", "eager"):
+        return f"attention implementation {attention!r} cannot take the slot cache's 4D mask (load with sdpa)"
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        unsupported = sorted(set(layer_types) - SUPPORTED_LAYER_TYPES)
+        if unsupported:
+            return f"layer types {unsupported} (only full attention and GatedDeltaNet layers are supported)"
+    elif getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention (the slot cache's mask is full causal)"
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        return "sharded (DTensor) parameters"
+    return None
+
+
+class SlotEngine:
+    """Continuous batching over ``num_slots`` slots with a preallocated cache; see the module docstring.
+
+    Reusable across calls: the cache and the captured graphs stay (the cache is reallocated, and the
+    graphs dropped, when a call needs a longer capacity or more generated tokens per row).
+    """
+
+    name = "slots"
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        num_slots: int,
+        use_cuda_graphs: bool | None = None,
+        check_every: int = 4,
+        kv_bucket: int | None = None,
+        refill_fraction: float = 1 / 16,
+        max_prefill_tokens: int = 32768,
+    ):
+        problem = slot_engine_problem(model)
+        if problem is not None:
+            raise ValueError(f"the slot generation engine cannot run this model: {problem}")
+        if num_slots < 1 or check_every < 1 or max_prefill_tokens < 1 or not 0 < refill_fraction <= 1:
+            raise ValueError(
+                f"num_slots={num_slots}, check_every={check_every}, max_prefill_tokens={max_prefill_tokens}: "
+                f"use >= 1; refill_fraction={refill_fraction}: use 0 < fraction <= 1"
+            )
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.num_slots = num_slots
+        self.use_cuda_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
+        self.check_every = check_every
+        self.kv_bucket = kv_bucket or (256 if self.device.type == "cuda" else 64)
+        self.refill_min = max(1, math.ceil(num_slots * refill_fraction))
+        self.max_prefill_tokens = max_prefill_tokens
+        self.cache: SlotCache | None = None
+        self.max_new_tokens = 0  # width of ``generated``
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self.warmups: dict[tuple, int] = {}
+        self.pool = None
+        self.num_steps = 0  # decode steps run (tests and benchmarks)
+        slots, device = num_slots, self.device
+        self.slot_index = torch.arange(slots, device=device)
+        self.positions = torch.zeros(slots, dtype=torch.long, device=device)  # where each slot's token goes
+        self.tokens = torch.zeros(slots, dtype=torch.long, device=device)  # the token each slot feeds next
+        self.steps = torch.zeros(slots, dtype=torch.long, device=device)  # tokens drawn by each slot's row
+        self.streams = torch.zeros(slots, dtype=torch.long, device=device)
+        self.done = torch.ones(slots, dtype=torch.bool, device=device)
+        self.stopped = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.generated = torch.zeros(slots, 0, dtype=torch.long, device=device)
+
+    # -- the public call ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        keys: Sequence[int],
+        *,
+        max_new_tokens: int,
+        stop_ids: Collection[int],
+        pad_id: int,
+        sampling: Sampling,
+        on_rows: RowsCallback | None = None,
+    ) -> list[Generation]:
+        """Continue every prompt until a stop id or ``max_new_tokens``; ``keys`` seed each row's draws."""
+        check_request(prompts, keys, max_new_tokens)
+        run = Run(self, prompts, keys, max_new_tokens, stop_ids, pad_id, sampling, on_rows)
+        run.loop()
+        return run.results
+
+    # -- buffers --------------------------------------------------------------------------------------
+    def reserve(self, prefill, capacity: int, max_new_tokens: int) -> None:
+        """A slot cache of at least ``capacity`` and token buffers of ``max_new_tokens`` (nothing occupied)."""
+        capacity = round_up(capacity, self.kv_bucket)
+        if self.cache is None or self.cache.capacity < capacity:
+            self.drop_graphs()
+            self.cache = None  # free the old storage before allocating the new
+            check_free_memory(prefill, self.num_slots, capacity, self.device)
+            self.cache = SlotCache(prefill, capacity, self.positions)
+        if self.max_new_tokens < max_new_tokens:
+            self.drop_graphs()
+            self.generated = torch.zeros(self.num_slots, max_new_tokens, dtype=torch.long, device=self.device)
+            self.max_new_tokens = max_new_tokens
+
+    def drop_graphs(self) -> None:
+        self.graphs.clear()
+        self.warmups.clear()
+
+    # -- one decode step --------------------------------------------------------------------------------
+    def step(self, spec: StepSpec) -> None:
+        """One token for every slot; on CUDA a graph per ``spec`` (after two eager warm-up steps)."""
+        self.num_steps += 1
+        if not self.use_cuda_graphs:
+            return self.decode(spec)
+        graph = self.graphs.get(spec.key)
+        if graph is not None:
+            return graph.replay()
+        if self.warmups.get(spec.key, 0) < 2:
+            # Warm-up steps are real steps, run eagerly on a side stream (lazy initialisation, kernel
+            # autotuning), so the state they advance is the state the loop expects.
+            self.warmups[spec.key] = self.warmups.get(spec.key, 0) + 1
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self.decode(spec)
+            torch.cuda.current_stream().wait_stream(stream)
+            return None
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.decode(spec)  # recorded, not run
+        self.graphs[spec.key] = graph
+        graph.replay()
+        return None
+
+    def decode(self, spec: StepSpec) -> None:
+        """The step itself: only tensor ops on preallocated buffers (capturable)."""
+        self.cache.set_kv_length(spec.kv_length)
+        index = torch.arange(spec.kv_length, device=self.device)
+        visible = index[None, :] <= self.positions[:, None]  # [S, kv]
+        bias = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
+        bias = bias.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None, None]
+        out = self.model(
+            input_ids=self.tokens[:, None],
+            position_ids=self.positions[:, None],
+            attention_mask=bias,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        running = ~self.done
+        token = self.draw(out.logits[:, -1].float(), self.steps, spec)
+        column = self.steps.clamp(max=spec.max_new_tokens - 1)[:, None]
+        kept = self.generated.gather(1, column).squeeze(1)
+        self.generated.scatter_(1, column, torch.where(running, token, kept)[:, None])
+        hit = running & is_stop(token, spec.stops)
+        self.stopped |= hit
+        self.steps += running.long()
+        self.done |= hit | (self.steps >= spec.max_new_tokens)
+        self.tokens.copy_(torch.where(running, token, self.tokens))
+        self.positions += (~self.done).long()
+
+    def draw(self, logits: torch.Tensor, steps: torch.Tensor, spec: StepSpec, streams=None) -> torch.Tensor:
+        """Each row's token for its step ``steps`` [rows] from ``logits`` [rows, V]."""
+        streams = self.streams if streams is None else streams
+        hashed = spec.hashed_steps[steps.clamp(max=spec.max_new_tokens - 1)]
+        return choose_tokens(logits, row_uniforms(streams, hashed), spec.sampling)
+
+
+class StepSpec:
+    """What a decode step is specialised on (a graph per distinct ``key``)."""
+
+    def __init__(self, kv_length: int, max_new_tokens: int, stops: torch.Tensor, sampling: Sampling, device):
+        self.kv_length = kv_length
+        self.max_new_tokens = max_new_tokens
+        self.stops = stops
+        self.sampling = sampling
+        self.hashed_steps = step_keys(max_new_tokens, device)
+        self.key = (kv_length, max_new_tokens, tuple(stops.tolist()), sampling)
+
+    def with_kv_length(self, kv_length: int) -> StepSpec:
+        spec = object.__new__(StepSpec)
+        spec.__dict__.update(self.__dict__, kv_length=kv_length, key=(kv_length, *self.key[1:]))
+        return spec
+
+
+class Run:
+    """One ``generate`` call: the queue, which row occupies which slot, and the collected results."""
+
+    def __init__(
+        self, engine: SlotEngine, prompts, keys, max_new_tokens, stop_ids, pad_id, sampling, on_rows
+    ):
+        self.engine = engine
+        self.prompts = [list(p) for p in prompts]
+        self.keys = list(keys)
+        self.max_new_tokens = max_new_tokens
+        self.pad_id = pad_id
+        self.on_rows = on_rows
+        stops = torch.as_tensor(sorted(stop_ids) or [-1], dtype=torch.long, device=engine.device)
+        self.spec = StepSpec(0, max_new_tokens, stops, sampling, engine.device)
+        self.results: list[Generation | None] = [None] * len(self.prompts)
+        self.queue = deque(sorted(range(len(self.prompts)), key=lambda i: -len(self.prompts[i])))
+        self.occupant: dict[int, int] = {}  # slot -> row
+        self.bound: dict[int, int] = {}  # slot -> an upper bound of the position it feeds next
+        self.free = list(range(engine.num_slots))
+        self.capacity = max(len(p) for p in self.prompts) + max_new_tokens
+
+    def loop(self) -> None:
+        engine = self.engine
+        engine.done.fill_(True)
+        while self.queue or self.occupant:
+            if self.queue and self.wants_refill():
+                self.admit()
+            if self.max_new_tokens > 1:
+                spec = self.spec.with_kv_length(self.kv_length(engine.check_every))
+                for _ in range(engine.check_every):
+                    engine.step(spec)
+                for slot in self.occupant:
+                    self.bound[slot] += engine.check_every
+            self.collect()
+
+    def wants_refill(self) -> bool:
+        needed = min(self.engine.refill_min, len(self.queue))
+        return bool(self.free) and (len(self.free) >= needed or not self.occupant)
+
+    def kv_length(self, num_steps: int) -> int:
+        """A bucket above every position fed in the next ``num_steps`` steps (host arithmetic, no sync)."""
+        cap = self.engine.cache.capacity
+        highest = max(min(b + num_steps, cap) for b in self.bound.values())
+        return min(round_up(highest, self.engine.kv_bucket), cap)
+
+    # -- admission ------------------------------------------------------------------------------------
+    def admit(self) -> None:
+        rows = [self.queue.popleft() for _ in range(min(len(self.free), len(self.queue)))]
+        for group in prefill_groups([len(self.prompts[r]) for r in rows], self.engine.max_prefill_tokens):
+            group_rows = [rows[i] for i in group]
+            slots = [self.free.pop(0) for _ in group_rows]
+            self.prefill(group_rows, slots)
+
+    def prefill(self, rows: list[int], slots: list[int]) -> None:
+        """Prefill ``rows`` together, draw their first token and move them into ``slots``."""
+        engine = self.engine
+        prompts = [self.prompts[r] for r in rows]
+        ids, mask = left_pad(prompts, self.pad_id, engine.device)
+        positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
+        out = engine.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
+        )
+        engine.reserve(out.past_key_values, self.capacity, self.max_new_tokens)
+        index = torch.as_tensor(slots, dtype=torch.long, device=engine.device)
+        lengths = [len(p) for p in prompts]
+        engine.cache.admit(out.past_key_values, index, lengths)
+        streams = row_streams(
+            self.spec.sampling.seed, torch.as_tensor([self.keys[r] for r in rows], device=engine.device)
+        )
+        first = engine.draw(out.logits[:, -1].float(), torch.zeros_like(index), self.spec, streams)
+        hit = is_stop(first, self.spec.stops)
+        engine.streams[index] = streams
+        engine.generated[index, 0] = first
+        engine.tokens[index] = first
+        engine.positions[index] = torch.as_tensor(lengths, device=engine.device)
+        engine.steps[index] = 1
+        engine.stopped[index] = hit
+        engine.done[index] = hit | (self.max_new_tokens <= 1)
+        for row, slot, length in zip(rows, slots, lengths):
+            self.occupant[slot] = row
+            self.bound[slot] = length
+
+    # -- collection -----------------------------------------------------------------------------------
+    def collect(self) -> None:
+        """Finished rows' tokens into ``results``; their slots become free (one sync)."""
+        engine = self.engine
+        done = engine.done.tolist()  # host sync: which rows ended (the loop's only regular sync)
+        finished = [slot for slot in self.occupant if done[slot]]
+        if not finished:
+            return
+        index = torch.as_tensor(finished, dtype=torch.long, device=engine.device)
+        tokens = engine.generated[index, : self.max_new_tokens].tolist()
+        counts, stopped = engine.steps[index].tolist(), engine.stopped[index].tolist()
+        num_tokens = 0
+        for slot, row_tokens, count, stop in zip(finished, tokens, counts, stopped):
+            row_tokens = row_tokens[:count]
+            stop_id = row_tokens.pop() if stop else None
+            self.results[self.occupant.pop(slot)] = Generation(row_tokens, bool(stop), stop_id)
+            del self.bound[slot]
+            self.free.append(slot)
+            num_tokens += count
+        self.free.sort()
+        if self.on_rows is not None:
+            self.on_rows(len(finished), num_tokens)
+
+
+def prefill_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices (already longest first) cut into groups of at most ``max_tokens`` padded tokens."""
+    groups: list[list[int]] = []
+    for i, length in enumerate(lengths):
+        if groups and max(lengths[groups[-1][0]], length) * (len(groups[-1]) + 1) <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def is_stop(tokens: torch.Tensor, stops: torch.Tensor) -> torch.Tensor:
+    """[rows] bool; a broadcast compare rather than ``isin`` (no data-dependent kernels in a graph)."""
+    return (tokens[:, None] == stops[None, :]).any(dim=-1)
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def check_request(prompts, keys, max_new_tokens: int) -> None:
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: use >= 1")
+    if not prompts or any(len(p) == 0 for p in prompts) or len(keys) != len(prompts):
+        raise ValueError("generation needs non-empty prompts and one key per prompt")
+
+
+def check_free_memory(prefill, num_slots: int, capacity: int, device: torch.device) -> None:
+    """Refuse a slot cache that would not fit, saying what to lower (CUDA only)."""
+    if device.type != "cuda":
+        return
+    per_slot = 0
+    for layer in prefill.layers:
+        if hasattr(layer, "conv_states"):
+            tensors = [*layer.conv_states.values(), *layer.recurrent_states.values()]
+            per_slot += sum(t[0].numel() * t.element_size() for t in tensors if t is not None)
+        else:
+            per_slot += capacity * (layer.keys[0, :, 0].numel() * 2) * layer.keys.element_size()
+    need = per_slot * num_slots
+    free, _ = torch.cuda.mem_get_info(device)
+    if need > FREE_MEMORY_FRACTION * free:
+        raise ValueError(
+            f"the generation cache needs {need / 2**30:.1f} GiB ({num_slots} slots x {capacity} tokens) but "
+            f"{free / 2**30:.1f} GiB are free: lower the batch size or the maximum new tokens"
+        )
+
+
+# ----------------------------------------------------------------------------- engine choice
+
+
+class PaddedEngine:
+    """The padded-batch loop of ``data.sampling.sample_batch`` behind the engine interface (the fallback
+    for models the slot engine cannot run, and the baseline of the generation benchmark)."""
+
+    name = "padded"
+
+    def __init__(self, model: torch.nn.Module, *, num_slots: int):
+        self.model = model
+        self.num_slots = num_slots
+
+    @torch.no_grad()
+    def generate(self, prompts, keys, *, max_new_tokens, stop_ids, pad_id, sampling, on_rows=None):
+        check_request(prompts, keys, max_new_tokens)
+        results: list[Generation | None] = [None] * len(prompts)
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        for start in range(0, len(order), self.num_slots):
+            batch = order[start : start + self.num_slots]
+            generations = sample_batch(
+                self.model,
+                [prompts[i] for i in batch],
+                [keys[i] for i in batch],
+                max_new_tokens=max_new_tokens,
+                stop_ids=stop_ids,
+                pad_id=pad_id,
+                sampling=sampling,
+            )
+            for i, generation in zip(batch, generations, strict=True):
+                results[i] = generation
+            if on_rows is not None:
+                on_rows(len(batch), sum(len(g.token_ids) + g.finished for g in generations))
+        return results
+
+
+def build_generator(model: torch.nn.Module, *, num_slots: int, engine: str = "auto", **options):
+    """``SlotEngine`` (``engine`` auto or slots) or ``PaddedEngine`` (padded, or auto where the slot
+    engine cannot run the model: warned). ``options`` go to ``SlotEngine``."""
+    if engine not in ("auto", "slots", "padded"):
+        raise ValueError(f"generation engine {engine!r}: use auto, slots or padded")
+    if engine == "padded":
+        return PaddedEngine(model, num_slots=num_slots)
+    problem = slot_engine_problem(model)
+    if problem is not None and engine == "auto":
+        warnings.warn(
+            f"generation runs on the padded-batch engine (slower): the slot engine cannot run this model: {problem}",
+            stacklevel=2,
+        )
+        return PaddedEngine(model, num_slots=num_slots)
+    return SlotEngine(model, num_slots=num_slots, **options)
