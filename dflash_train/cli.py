@@ -62,6 +62,7 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
         thinking=args.thinking,
         baseline=args.baseline,
         ngram_n=args.ngram_n,
+        ngram_min_match=args.ngram_min_match,
         ddtree_budget=args.ddtree_budget,
         ddtree_topk=args.ddtree_topk,
         tau_mode=args.tau_mode,
@@ -162,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--thinking", choices=["on", "off", "default"], default="default")
     p.add_argument("--baseline", choices=["none", "ngram"], default="none")
     p.add_argument("--ngram-n", type=int, default=3)
+    p.add_argument(
+        "--ngram-min-match",
+        type=int,
+        default=3,
+        help="exact mode, ngram+dflash: draft by prompt lookup when a suffix of >= M tokens recurs",
+    )
     p.add_argument(
         "--ddtree-budget", type=int, default=0, help="tree drafting with this many nodes (0 = chain)"
     )

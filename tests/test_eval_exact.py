@@ -15,7 +15,7 @@ import torch
 
 from dflash_train.eval.exact import as_frozen_target, exact_acceptance, exact_generations
 from dflash_train.eval.generate import greedy_continuations
-from dflash_train.eval.proposers import NgramProposer
+from dflash_train.eval.proposers import DFlashProposer, Draft, NgramProposer, Proposer
 from dflash_train.eval.runner import evaluate
 from dflash_train.eval.simulate import NgramIndex
 from dflash_train.eval.speculative import plain_generate
@@ -162,6 +162,7 @@ def test_exact_api_takes_a_frozen_target_and_precomputed_continuations(setup, to
         drafter_batch_tokens=1,
     )
     assert first["methods"]["dflash"] == again["methods"]["dflash"]
+    assert first["diagnosis"] == again["diagnosis"] and first["diagnosis"]["groups"]["anchors"]["blocks"] > 0
     assert set(first["timings"]) == {"features", "drafter", "simulation"}
     with pytest.raises(ValueError, match="target_layer_ids"):
         exact_acceptance(
@@ -249,3 +250,273 @@ def test_a_continuation_that_ends_early_at_eos_drafts_only_inside_itself(setup, 
     dflash = report["methods"]["dflash"]
     assert dflash["tokens"] == 4 + 3
     assert 1.0 <= dflash["tau"] <= 4.0
+
+
+# ----------------------------------------------------------------------------- diagnosis
+# Hand-built continuations and drafts whose numbers are worked out in the comments: prompt [100]
+# (a token the continuations never use), block 4 (3 drafts per round), n = 3, no EOS.
+
+WRONG = -1  # a draft token no continuation contains
+PERIOD = list(range(1, 9))  # 1..8: no token repeats inside a period
+
+
+def drafts_from(continuation, right_at, block=BLOCK):
+    """drafts[j] (anchor j) = the continuation's next B-1 tokens where ``right_at(j, k)``, else WRONG."""
+    return [
+        [
+            continuation[j + k] if j + k < len(continuation) and right_at(j, k) else WRONG
+            for k in range(1, block)
+        ]
+        for j in range(len(continuation) - 1)
+    ]
+
+
+def diagnosed(continuation, drafts, prompt=(100,)):
+    """The DFlash chain simulated on the drafts, and its diagnosis summary."""
+    from dflash_train.eval.diagnosis import diagnose_request, summarize_diagnosis
+    from dflash_train.eval.simulate import simulate_chain
+
+    common = dict(block_size=BLOCK, max_new_tokens=len(continuation), eos_token_ids=set())
+    generation = simulate_chain(continuation, lambda out: drafts[out - 1], **common)
+    stats = diagnose_request(list(prompt), continuation, drafts, generation, ngram_n=3, **common)
+    return generation, summarize_diagnosis([stats], BLOCK)
+
+
+def test_random_anchor_tau_is_the_teacher_forced_metric_over_every_anchor():
+    continuation = list(range(10, 18))  # 8 tokens: anchors j = 0..6, predicted positions j+k < 8
+    # Always right: tau_j = 1 + min(3, 7 - j) = 4, 4, 4, 4, 4, 3, 2 -> 25 / 7.
+    _, right = diagnosed(continuation, drafts_from(continuation, lambda j, k: True))
+    anchors = right["groups"]["anchors"]
+    assert right["random_anchor_tau"] == pytest.approx(25 / 7)
+    assert anchors["blocks"] == 7 and anchors["accuracy_by_pos"] == [1.0, 1.0, 1.0]
+    # Wrong at position 2 only: the product stops there (tau 2 at every anchor), accuracy [1, 0, 1].
+    _, hole = diagnosed(continuation, drafts_from(continuation, lambda j, k: k != 2))
+    assert hole["random_anchor_tau"] == pytest.approx(2.0)
+    assert hole["groups"]["anchors"]["accuracy_by_pos"] == [1.0, 0.0, 1.0]
+    # Wrong at position 1 only: nothing is accepted although positions 2 and 3 are right.
+    _, first = diagnosed(continuation, drafts_from(continuation, lambda j, k: k != 1))
+    assert first["random_anchor_tau"] == pytest.approx(1.0)
+    assert first["groups"]["anchors"]["accuracy_by_pos"] == [0.0, 1.0, 1.0]
+
+
+def test_loop_rounds_are_those_where_prompt_lookup_accepts_the_whole_block():
+    continuation = PERIOD * 3  # 24 tokens: the second and third period repeat the first
+    # Always right: rounds start at out = 1, 5, 9, 13, 17, 21 (the last drafts 2). Lookup has nothing
+    # to copy at 1 and 5 (no token recurs yet); from 9 on, the most recent match is one period back,
+    # whose continuation is the next block: loop rounds 9, 13, 17, 21, with tau 4, 4, 4, 3.
+    generation, right = diagnosed(continuation, drafts_from(continuation, lambda j, k: True))
+    assert generation.num_accepted == [3, 3, 3, 3, 3, 2]
+    assert right["loop_round_fraction"] == pytest.approx(4 / 6)
+    assert right["tau_in_loops"] == pytest.approx(15 / 4) and right["tau_outside_loops"] == pytest.approx(4.0)
+    assert right["groups"]["loop"]["accuracy_by_pos"] == [1.0, 1.0, 1.0]
+    # Always wrong: a round at every out = 1..23; out = 23 drafts nothing (in no split group);
+    # lookup copies from out = 9 on (out = 9..22: 14 loop rounds of 22).
+    generation, wrong = diagnosed(continuation, drafts_from(continuation, lambda j, k: False))
+    assert generation.num_rounds == 23
+    assert wrong["loop_round_fraction"] == pytest.approx(14 / 22)
+    assert wrong["groups"]["loop"]["blocks"] == 14 and wrong["groups"]["outside_loops"]["blocks"] == 8
+    assert wrong["tau_in_loops"] == wrong["tau_outside_loops"] == wrong["pooled_round_tau"] == 1.0
+    assert wrong["groups"]["loop"]["accuracy_by_pos"] == [0.0, 0.0, 0.0]
+    # Lookup accepting 2 of 3 is no loop: at out = 5 "1" recurs and proposes "2 3 4" for "2 3 9".
+    partial = [1, 2, 3, 4, 1, 2, 3, 9, 10, 11, 12, 13]
+    _, some = diagnosed(partial, drafts_from(partial, lambda j, k: True))
+    assert some["groups"]["rounds"]["blocks"] == 3 and some["loop_round_fraction"] == 0.0
+    # Text without repeats has no loop round.
+    _, plain = diagnosed(list(range(1, 17)), drafts_from(list(range(1, 17)), lambda j, k: True))
+    assert plain["loop_round_fraction"] == 0.0 and plain["tau_in_loops"] is None
+
+
+def test_rounds_after_a_rejection_are_reported_apart():
+    continuation = list(range(1, 17))  # 16 distinct tokens: no loops
+    right = {0: (1, 2), 3: (1, 2, 3), 7: (1, 2, 3), 11: (1, 3)}  # anchor -> positions drafted right
+    drafts = drafts_from(continuation, lambda j, k: k in right.get(j, ()))
+    generation, d = diagnosed(continuation, drafts)
+    # Rounds (out, drafted, accepted): (1,3,2) (4,3,3) (8,3,3) (12,3,1) (14,1,0) (15,0,0).
+    assert generation.num_drafted == [3, 3, 3, 3, 1, 0] and generation.num_accepted == [2, 3, 3, 1, 0, 0]
+    groups = d["groups"]
+    # After a rejection: out = 4 (all right) and 14 (its one draft wrong); 15 drafts nothing.
+    assert groups["after_rejection"]["blocks"] == 2 and groups["after_rejection"]["tau"] == pytest.approx(2.5)
+    assert groups["after_rejection"]["accuracy_by_pos"] == [0.5, 1.0, 1.0]
+    # Others: out = 1 (right, right, wrong), 8 (all right), 12 (right, wrong, right).
+    assert groups["other_rounds"]["blocks"] == 3 and groups["other_rounds"]["tau"] == pytest.approx(3.0)
+    assert groups["other_rounds"]["accuracy_by_pos"] == pytest.approx([1.0, 2 / 3, 2 / 3])
+    assert d["pooled_round_tau"] == pytest.approx(15 / 6)
+    assert groups["rounds"]["accuracy_by_pos"] == pytest.approx([0.8, 0.75, 0.75])
+    # Every anchor: 3 + 4 + 4 + 2 at anchors 0, 3, 7, 11 and 1 at the 11 others -> 24 / 15.
+    assert d["random_anchor_tau"] == pytest.approx(24 / 15)
+
+
+def combined_tau(continuation, drafts, min_match, prompt=(100,)):
+    from dflash_train.eval.simulate import simulate_ngram_then_dflash
+
+    common = dict(block_size=BLOCK, max_new_tokens=len(continuation), eos_token_ids=set())
+    return simulate_ngram_then_dflash(
+        list(prompt), continuation, lambda out: drafts[out - 1], n=3, min_match=min_match, **common
+    )
+
+
+def test_ngram_then_dflash_copies_loops_and_drafts_the_rest():
+    from dflash_train.eval.simulate import simulate_chain, simulate_ngram
+
+    continuation = PERIOD * 3
+    common = dict(block_size=BLOCK, max_new_tokens=len(continuation), eos_token_ids=set())
+    drafts = drafts_from(continuation, lambda j, k: j < 8)  # right in the first period only
+    dflash = simulate_chain(continuation, lambda out: drafts[out - 1], **common)
+    ngram = simulate_ngram([100], continuation, n=3, **common)
+    # DFlash: 4 + 4, then 15 rounds of 1 (out = 9..23) -> 23 / 17; n-gram: 8 rounds of 1, then
+    # 4 + 4 + 4 + 3 -> 23 / 12; both at once: 4 + 4 from DFlash, 4 + 4 + 4 + 3 copied -> 23 / 6.
+    assert dflash.tau == pytest.approx(23 / 17) and ngram.tau == pytest.approx(23 / 12)
+    both = combined_tau(continuation, drafts, min_match=1)
+    assert both.num_accepted == [3, 3, 3, 3, 3, 2] and both.tau == pytest.approx(23 / 6)
+    # min_match 3: at out = 9, 10 the longest recurring suffix has 1 and 2 tokens -> DFlash (wrong);
+    # from out = 11 lookup copies: 4 + 4 + 1 + 1 + 4 + 4 + 4 + 1 over 8 rounds.
+    strict = combined_tau(continuation, drafts, min_match=3)
+    assert strict.num_accepted == [3, 3, 0, 0, 3, 3, 3, 0] and strict.tau == pytest.approx(23 / 8)
+
+
+def test_ngram_then_dflash_is_no_max_when_lookup_misleads():
+    continuation = [1, 2, 1, 3, 1, 4, 1, 5, 1, 6, 1, 7]  # "1" recurs, what follows it never does
+    drafts = drafts_from(continuation, lambda j, k: True)
+    alone = combined_tau(continuation, drafts, min_match=99)  # never a long enough match: DFlash only
+    assert alone.num_accepted == [3, 3, 2] and alone.tau == pytest.approx(11 / 3)
+    # min_match 1: at out = 5 the suffix "1" recurs and lookup proposes "3 1", which is wrong.
+    misled = combined_tau(continuation, drafts, min_match=1)
+    assert misled.num_accepted == [3, 0, 3, 1] and misled.tau == pytest.approx(11 / 4)
+    assert combined_tau(continuation, drafts, min_match=2).tau == pytest.approx(11 / 3)
+    with pytest.raises(ValueError, match="min_match=0"):
+        combined_tau(continuation, drafts, min_match=0)
+
+
+def training_metric_over_every_anchor(model, drafter, prompts, continuations):
+    """The training tau and acc_by_pos (``train.loss.block_metrics``) of the drafter's training
+    forward with an anchor at every position of the continuations (the rows' response tokens)."""
+    from dflash_train.train.loss import block_metrics, summarize_metrics
+
+    target = as_frozen_target(model, LAYER_IDS)
+    sequences = [p + c for p, c in zip(prompts, continuations, strict=True)]
+    lengths = torch.tensor([len(s) for s in sequences])
+    ids = torch.zeros(len(sequences), int(lengths.max()), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = torch.tensor(seq)
+    anchors = torch.tensor([len(p) for p in prompts])[:, None] + torch.arange(MAX_NEW)
+    keep = anchors + 1 < lengths[:, None]  # loss_mask[a] and loss_mask[a + 1]
+    positions = anchors[..., None] + torch.arange(1, BLOCK)
+    labels = ids.gather(1, positions.clamp(max=ids.shape[1] - 1).flatten(1)).view_as(positions)
+    valid = keep[..., None] & (positions < lengths[:, None, None])
+    with torch.no_grad():
+        hidden = drafter(target.features(ids), ids, anchors, keep, target.embed_tokens)
+        rank = (target.lm_head(hidden[:, :, 1:]).argmax(-1) != labels).long()  # 0 = top-1 hit
+    stats = block_metrics(valid.float(), valid, rank, torch.zeros(valid.shape), keep)
+    return summarize_metrics(stats)
+
+
+def test_random_anchor_tau_equals_the_training_metric_on_the_same_rows(setup, tokenizer):
+    kind, model, prompts, continuations, drafter = setup
+    report = exact_acceptance(
+        model, drafter, prompts, continuations, max_new_tokens=MAX_NEW, eos_token_ids={tokenizer.eos_token_id}
+    )
+    training = training_metric_over_every_anchor(model, drafter, prompts, continuations)
+    diagnosis = report["diagnosis"]
+    assert 1.2 < training["tau"] < BLOCK - 0.5  # partial: an off-by-one would change it
+    assert diagnosis["random_anchor_tau"] == pytest.approx(training["tau"], abs=1e-9)
+    accuracy = diagnosis["groups"]["anchors"]["accuracy_by_pos"]
+    assert accuracy == pytest.approx(training["acc_by_pos"], abs=1e-5)  # the training log rounds to 5 digits
+    # The rounds are a subset of the anchors: the sequential simulation's own numbers.
+    assert diagnosis["groups"]["rounds"]["blocks"] == report["methods"]["dflash"]["rounds"]
+    groups = diagnosis["groups"]
+    assert groups["loop"]["blocks"] + groups["outside_loops"]["blocks"] == (
+        groups["after_rejection"]["blocks"] + groups["other_rounds"]["blocks"]
+    )
+
+
+class LookupThenDrafter(Proposer):
+    """Real-decoding twin of ``ngram+dflash``, written out independently: the longest suffix of
+    ``min_match`` .. max(n, min_match) tokens with an earlier occurrence proposes what followed its
+    latest one (padded with its last token); otherwise the DFlash proposer's block. The drafter runs
+    every round so that its context cache takes every committed position's features."""
+
+    def __init__(self, dflash, n, min_match):
+        self.dflash, self.n, self.min_match = dflash, n, min_match
+
+    def start(self, prompt_ids):
+        self.dflash.start(prompt_ids)
+
+    def propose(self, accepted_ids, new_features, block_size):
+        drafted = self.dflash.propose(accepted_ids, new_features, block_size)
+        ids = list(accepted_ids)
+        for size in range(min(max(self.n, self.min_match), len(ids) - 1), self.min_match - 1, -1):
+            for start in range(len(ids) - size - 1, -1, -1):
+                if ids[start : start + size] == ids[-size:]:
+                    span = ids[start + size : start + size + block_size - 1]
+                    return Draft(tokens=span + [span[-1]] * (block_size - 1 - len(span)))
+        return drafted
+
+
+def test_ngram_then_dflash_exact_equals_real_decoding(setup, tokenizer):
+    from dflash_train.eval.runner import Method
+
+    kind, model, prompts, continuations, drafter = setup
+    eos = {tokenizer.eos_token_id}
+    min_match = 1  # these continuations rarely repeat 2-grams: lookup must be in play to be tested
+    config = drafter.config
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+
+    def make_proposer(prompt, reference):
+        dflash = DFlashProposer(drafter, embed, head, config.block_size, config.mask_token_id)
+        return LookupThenDrafter(dflash, 3, min_match)
+
+    method = Method("ngram+dflash", make_proposer, block_size=BLOCK, target_layer_ids=tuple(LAYER_IDS))
+    common = dict(max_new_tokens=MAX_NEW, eos_token_ids=eos)
+    exact = exact_acceptance(
+        model, drafter, prompts, continuations, methods=("dflash", "ngram", "ngram+dflash"),
+        ngram_min_match=min_match, **common,
+    )  # fmt: skip
+    decoded = evaluate(
+        model, tokenizer, drafter, prompts, methods=[method], decode_engine="dynamic", **common
+    )
+    got, want = exact["methods"]["ngram+dflash"], decoded["methods"]["ngram+dflash"]
+    assert want["lossless"] is True
+    assert got["per_request_tau"] == pytest.approx(want["per_request_tau"], abs=1e-9)
+    assert got["accept_length_histogram"] == want["accept_length_histogram"]
+    # The three methods differ here, so the comparison above checks which proposal each round used.
+    taus = {name: exact["methods"][name]["tau"] for name in ("dflash", "ngram", "ngram+dflash")}
+    assert len({round(t, 9) for t in taus.values()}) == 3, taus
+
+
+def test_eval_command_reports_the_diagnosis_and_the_combination(tiny_qwen3_dir, tmp_path, capsys):
+    import json
+
+    from dflash_train.cli import main
+    from dflash_train.models.export import save_drafter
+    from tests.test_eval_runner import load
+    from tests.test_eval_runner import make_drafter as make_untrained_drafter
+
+    model, tokenizer = load(tiny_qwen3_dir)
+    drafter, config = make_untrained_drafter(model, tokenizer)
+    save_drafter(drafter, config, tmp_path / "drafter", dtype="float32")
+    rows = [{"prompt": "The quick brown fox"}, {"prompt": "class Point:"}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = ["eval", "--target", str(tiny_qwen3_dir), "--drafter", str(tmp_path / "drafter"),
+            "--prompts", str(tmp_path / "p.jsonl"), "--max-new-tokens", "30", "--device", "cpu",
+            "--no-progress", "--json"]  # fmt: skip
+    assert main([*base, "--baseline", "ngram", "--ngram-min-match", "2"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert list(result["methods"]) == ["dflash", "ngram", "ngram+dflash"]
+    assert result["ngram_dflash_tau"] == result["methods"]["ngram+dflash"]["tau"]
+    assert result["ngram_min_match"] == 2 and result["ngram_n"] == 3
+    diagnosis = result["diagnosis"]
+    assert result["random_anchor_tau"] == diagnosis["random_anchor_tau"] >= 1.0
+    assert diagnosis["groups"]["rounds"]["blocks"] == result["methods"]["dflash"]["rounds"]
+    assert result["per_file"][0]["diagnosis"] == diagnosis  # one file: the same numbers
+    for text in ("n-gram+DFlash tau", "random-anchor tau", "tau in loops", "after a rejected round"):
+        assert text in out, text
+    # Without the baseline: no combination, the diagnosis stays; decode mode has none.
+    assert main(base) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert list(result["methods"]) == ["dflash"] and result["diagnosis"] is not None
+    assert main([*base, "--tau-mode", "decode", "--max-new-tokens", "6"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["diagnosis"] is None and result["random_anchor_tau"] is None
+    assert main([*base, "--baseline", "ngram", "--ngram-min-match", "0"]) == 1
+    assert "ngram_min_match=0: use >= 1" in capsys.readouterr().err

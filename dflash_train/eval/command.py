@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from dflash_train.eval.engines import resolve_decode_engine
-from dflash_train.eval.exact import exact_generations
+from dflash_train.eval.exact import exact_measure
 from dflash_train.eval.generate import greedy_continuations, pad_token_for
 from dflash_train.eval.options import EvalOptions
 from dflash_train.eval.prompts import BadPromptRows, PromptFile, load_prompt_file
@@ -56,6 +56,8 @@ def run_eval(options: EvalOptions) -> dict[str, Any]:
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
         "tau_mode": options.resolved_tau_mode,
+        "ngram_n": options.ngram_n,  # also the loop test of the diagnosis
+        "ngram_min_match": options.ngram_min_match if "ngram+dflash" in options.exact_methods else None,
         **engine_fields(measured["decode_report"]),
     }
     return finish_report(measured, files, options, drafter.config.block_size, extra)
@@ -70,8 +72,9 @@ def measure(
     eos = default_eos_ids(target_model, tokenizer)
     timings: dict[str, float] = {}
     bars = ProgressBars(enabled=options.progress)
+    diagnoses: list = []
     if options.resolved_tau_mode == "exact":
-        generations = exact_mode(
+        generations, diagnoses = exact_mode(
             target_model, frozen, tokenizer, drafter, prompts, eos, options, timings, bars
         )
         decoded = [
@@ -100,6 +103,7 @@ def measure(
     divergences = [] if decode_report is None else collect_divergences(decode_report, decoded, files)
     return {
         "generations": generations,
+        "diagnoses": diagnoses,
         "decoded": decoded,
         "decode_report": decode_report,
         "divergences": divergences,
@@ -144,8 +148,9 @@ def decoded_methods(target_model, options: EvalOptions) -> list[str]:
 
 def exact_mode(
     target_model, frozen, tokenizer, drafter, prompts, eos, options, timings, bars
-) -> dict[str, list[Generation]]:
-    """Greedy continuations (timed as ``generate``), then ``exact_generations``."""
+) -> tuple[dict[str, list[Generation]], list]:
+    """Greedy continuations (timed as ``generate``), then ``exact_measure``: the generations of
+    ``options.exact_methods`` and the per-prompt diagnosis of the DFlash drafts."""
     device = next(target_model.parameters()).device
     batch_size = options.batch_size or (32 if device.type == "cuda" else 8)
     pad = pad_token_for(tokenizer, eos)
@@ -155,15 +160,16 @@ def exact_mode(
         batch_size=batch_size, on_batch=bars.counter("generate", len(prompts)),
     )  # fmt: skip
     timings["generate"] = time.perf_counter() - started
-    generations, exact_timings = exact_generations(
+    result = exact_measure(
         frozen, drafter, prompts, continuations,
-        max_new_tokens=options.max_new_tokens, eos_token_ids=eos, methods=options.methods,
-        ngram_n=options.ngram_n, ddtree_budget=options.ddtree_budget, ddtree_topk=options.ddtree_topk,
+        max_new_tokens=options.max_new_tokens, eos_token_ids=eos, methods=options.exact_methods,
+        ngram_n=options.ngram_n, ngram_min_match=options.ngram_min_match,
+        ddtree_budget=options.ddtree_budget, ddtree_topk=options.ddtree_topk,
         drafter_batch_tokens=options.drafter_batch_tokens, pad_token_id=pad,
-        on_progress=bars.exact_callback(len(prompts), options.methods),
+        on_progress=bars.exact_callback(len(prompts), options.exact_methods),
     )  # fmt: skip
-    timings.update(exact_timings)
-    return generations
+    timings.update(result.timings)
+    return result.generations, result.diagnoses
 
 
 def file_starts(files: Sequence[PromptFile]) -> list[int]:

@@ -13,7 +13,9 @@ or precomputed: the target is frozen, so in-training eval generates them once):
    block ``[token at a, MASK...]``; the golden test ``test_training_block_equals_inference_block``
    pins training-mode block logits == inference-mode block logits); the target's LM head turns
    block positions 1..B-1 into argmax drafts (and top-K log-probs for DDTree), chunk by chunk;
-3. simulation on the host for DFlash, n-gram and DDTree.
+3. simulation on the host for DFlash, n-gram, DDTree and ``ngram+dflash`` (prompt lookup first,
+   the drafter otherwise), and the diagnosis of the DFlash drafts (``eval/diagnosis.py``: the
+   training metric over every anchor, tau inside / outside repetition loops, after a rejection).
 
 Because the drafter only ever sees features of accepted positions, and those are positions of the
 continuation, nothing here needs a GatedDeltaNet state rollback or per-branch state: DDTree tau is
@@ -31,12 +33,31 @@ from typing import Any
 
 import torch
 
+from dflash_train.eval.diagnosis import BlockStats, diagnose_request, summarize_diagnosis
 from dflash_train.eval.generate import length_sorted_batches
-from dflash_train.eval.simulate import request_limit, simulate_chain, simulate_ngram, simulate_tree
+from dflash_train.eval.simulate import (
+    request_limit,
+    simulate_chain,
+    simulate_ngram,
+    simulate_ngram_then_dflash,
+    simulate_tree,
+)
 from dflash_train.eval.speculative import Generation
 from dflash_train.eval.summary import summarize_rounds
 
-EXACT_METHODS = ("dflash", "ngram", "ddtree")
+EXACT_METHODS = ("dflash", "ngram", "ddtree", "ngram+dflash")
+DRAFTER_METHODS = ("dflash", "ddtree", "ngram+dflash")  # the methods that need the drafter pass
+
+
+@dataclass
+class ExactResult:
+    """What ``exact_measure`` returns: per method one simulated ``Generation`` per prompt; per prompt
+    the diagnosis groups of the DFlash drafts (``diagnosis.diagnose_request``; empty when not
+    diagnosed); and phase timings in seconds (``features``, ``drafter``, ``simulation``)."""
+
+    generations: dict[str, list[Generation]]
+    diagnoses: list[dict[str, BlockStats]]
+    timings: dict[str, float]
 
 
 @dataclass
@@ -173,16 +194,7 @@ def exact_acceptance(
     drafter: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
     continuations: Sequence[Sequence[int]],
-    *,
-    max_new_tokens: int,
-    eos_token_ids: Collection[int],
-    methods: Sequence[str] = ("dflash",),
-    ngram_n: int = 3,
-    ddtree_budget: int = 0,
-    ddtree_topk: int = 8,
-    drafter_batch_tokens: int = 65536,
-    pad_token_id: int = 0,
-    on_progress: Callable[[str, int, float | None], None] | None = None,
+    **options: Any,
 ) -> dict[str, Any]:
     """Exact greedy tau of every method on ``prompts`` given the target's greedy ``continuations``.
 
@@ -191,22 +203,26 @@ def exact_acceptance(
     wrapper is fine: it is called as a module, so the wrapper's hooks run; under FSDP call this on
     every rank with the same prompts, so every rank makes the same drafter calls). ``continuations``
     come from ``generate.greedy_continuations`` with the same ``max_new_tokens`` and EOS ids; the
-    target is frozen, so a caller evaluating repeatedly generates them once. Returns
-    ``{"methods": {name: summarize_rounds(...)}, "timings": {"features", "drafter", "simulation"}}``
-    (seconds). ``on_progress(phase, num_done, running_tau)`` reports progress.
+    target is frozen, so a caller evaluating repeatedly generates them once. ``options`` are
+    ``exact_measure``'s. Returns ``{"methods": {name: summarize_rounds(...)}, "diagnosis":
+    summarize_diagnosis(...) or None, "timings": {"features", "drafter", "simulation"}}`` (seconds).
     """
-    generations, timings = exact_generations(
-        target, drafter, prompts, continuations,
-        max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids, methods=methods, ngram_n=ngram_n,
-        ddtree_budget=ddtree_budget, ddtree_topk=ddtree_topk, drafter_batch_tokens=drafter_batch_tokens,
-        pad_token_id=pad_token_id, on_progress=on_progress,
-    )  # fmt: skip
+    result = exact_measure(target, drafter, prompts, continuations, **options)
     block_size = drafter_config(drafter).block_size
-    summaries = {name: summarize_rounds(gens, block_size) for name, gens in generations.items()}
-    return {"methods": summaries, "timings": timings}
+    summaries = {name: summarize_rounds(gens, block_size) for name, gens in result.generations.items()}
+    diagnosis = summarize_diagnosis(result.diagnoses, block_size) if result.diagnoses else None
+    return {"methods": summaries, "diagnosis": diagnosis, "timings": result.timings}
 
 
 def exact_generations(
+    target, drafter: torch.nn.Module, prompts, continuations, **options: Any
+) -> tuple[dict[str, list[Generation]], dict[str, float]]:
+    """Per method, one simulated ``Generation`` per prompt (``exact_measure``), and timings."""
+    result = exact_measure(target, drafter, prompts, continuations, **{"diagnose": False, **options})
+    return result.generations, result.timings
+
+
+def exact_measure(
     target,
     drafter: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
@@ -216,13 +232,19 @@ def exact_generations(
     eos_token_ids: Collection[int],
     methods: Sequence[str] = ("dflash",),
     ngram_n: int = 3,
+    ngram_min_match: int = 3,
     ddtree_budget: int = 0,
     ddtree_topk: int = 8,
     drafter_batch_tokens: int = 65536,
     pad_token_id: int = 0,
+    diagnose: bool = True,
     on_progress: Callable[[str, int, float | None], None] | None = None,
-) -> tuple[dict[str, list[Generation]], dict[str, float]]:
-    """Per method, one simulated ``Generation`` per prompt (see ``exact_acceptance``), and timings."""
+) -> ExactResult:
+    """Every method's simulated rounds on every prompt, and (``diagnose`` with ``dflash`` among
+    ``methods``) the diagnosis of the DFlash drafts, loops judged by n-gram lookup with ``ngram_n``.
+    ``ngram_min_match`` is the shortest suffix match with which ``ngram+dflash`` drafts by lookup
+    (``simulate.simulate_ngram_then_dflash``). ``on_progress(phase, num_done, running_tau)``
+    reports progress."""
     unknown = [m for m in methods if m not in EXACT_METHODS]
     if unknown:
         raise ValueError(f"unknown eval methods {unknown}; use some of {list(EXACT_METHODS)}")
@@ -233,7 +255,7 @@ def exact_generations(
     config = drafter_config(drafter)
     timings: dict[str, float] = {"features": 0.0, "drafter": 0.0, "simulation": 0.0}
     drafts: list[AnchorDrafts | None] = [None] * len(prompts)
-    if "dflash" in methods or "ddtree" in methods:
+    if any(m in DRAFTER_METHODS for m in methods):
         drafts = draft_all(
             as_frozen_target(target, config.target_layer_ids),
             drafter,
@@ -248,23 +270,33 @@ def exact_generations(
             on_rows=None if on_progress is None else lambda n: on_progress("drafter", n, None),
         )
     started = time.perf_counter()
+    common = {
+        "block_size": config.block_size,
+        "max_new_tokens": max_new_tokens,
+        "eos_token_ids": eos_token_ids,
+    }
     generations = {
         method: simulate_method(
             method,
             prompts,
             continuations,
             drafts,
-            config.block_size,
-            max_new_tokens,
-            eos_token_ids,
             ngram_n=ngram_n,
+            ngram_min_match=ngram_min_match,
             ddtree_budget=ddtree_budget,
             on_progress=on_progress,
+            **common,
         )  # fmt: skip
         for method in methods
     }
+    diagnoses = []
+    if diagnose and "dflash" in methods:
+        diagnoses = [
+            diagnose_request(p, c, d.tokens.tolist(), g, ngram_n=ngram_n, **common)
+            for p, c, d, g in zip(prompts, continuations, drafts, generations["dflash"], strict=True)
+        ]
     timings["simulation"] = time.perf_counter() - started
-    return generations, timings
+    return ExactResult(generations=generations, diagnoses=diagnoses, timings=timings)
 
 
 def draft_all(
@@ -309,6 +341,7 @@ def simulate_method(
     *,
     ngram_n: int,
     ddtree_budget: int,
+    ngram_min_match: int = 3,
     on_progress: Callable[[str, int, float | None], None] | None = None,
 ) -> list[Generation]:
     """Host simulation of ``method`` on every prompt (``eval/simulate.py``)."""
@@ -325,6 +358,12 @@ def simulate_method(
                 budget=ddtree_budget,
                 **common,
             )
+        elif method == "ngram+dflash":
+            tokens = drafts[i].tokens.tolist()
+            gen = simulate_ngram_then_dflash(
+                prompts[i], continuation, lambda out, t=tokens: t[out - 1], n=ngram_n,
+                min_match=ngram_min_match, **common,
+            )  # fmt: skip
         else:
             tokens = drafts[i].tokens.tolist()
             gen = simulate_chain(continuation, lambda out, t=tokens: t[out - 1], **common)

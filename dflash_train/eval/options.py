@@ -30,8 +30,11 @@ class EvalOptions:
     thinking: str = "default"
     # "ngram" adds prompt-lookup drafting as a baseline; "none" does not.
     baseline: str = "none"
-    # n of the n-gram baseline.
+    # n of the n-gram baseline (and of the loop test of the exact-mode diagnosis).
     ngram_n: int = 3
+    # Exact mode with --baseline ngram also reports ``ngram+dflash``: a round drafts by prompt lookup
+    # when a suffix of at least this many tokens recurs, else with the drafter (docs/evaluation.md).
+    ngram_min_match: int = 3
     # Tree drafting (DDTree) with this many nodes; 0 = chain only.
     ddtree_budget: int = 0
     # Candidates per draft position when growing the DDTree.
@@ -80,7 +83,7 @@ class EvalOptions:
             raise ValueError(f"thinking={self.thinking!r}: use one of {list(THINKING)}")
         if self.baseline not in ("none", "ngram"):
             raise ValueError(f"baseline={self.baseline!r}: use 'none' or 'ngram'")
-        for name in ("max_new_tokens", "ngram_n", "ddtree_topk", "drafter_batch_tokens"):
+        for name in ("max_new_tokens", "ngram_n", "ngram_min_match", "ddtree_topk", "drafter_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: use >= 1")
         for name in ("num_prompts", "ddtree_budget", "decode_prompts", "batch_size", "max_bad_rows"):
@@ -106,6 +109,15 @@ class EvalOptions:
             + (["ngram"] if self.baseline == "ngram" else [])
             + (["ddtree"] if self.ddtree_budget > 0 else [])
         )
+
+    @property
+    def exact_methods(self) -> list[str]:
+        """The methods exact mode simulates: ``methods`` plus ``ngram+dflash`` (prompt lookup first,
+        the drafter otherwise) beside the n-gram baseline. Exact mode only: no real decoding of it."""
+        if self.baseline != "ngram":
+            return self.methods
+        at = self.methods.index("ngram") + 1
+        return [*self.methods[:at], "ngram+dflash", *self.methods[at:]]
 
     @property
     def thinking_flag(self) -> bool | None:

@@ -4,7 +4,9 @@ lossless verdict, ``eval.json`` and ``acceptance.png``.
 The flat result keeps the keys of earlier versions at top level for the overall numbers (``tau``,
 ``ngram_tau``, ``ddtree_tau``, ``lossless``, ``per_position_acceptance``, ``tokens_per_s``,
 ``speedup``, ...) and adds ``per_file`` (the same numbers per prompt file), ``divergences``,
-``lossless_up_to_ties``, ``timings`` and ``tau_mode``.
+``lossless_up_to_ties``, ``timings``, ``tau_mode`` and, in exact mode, ``diagnosis``
+(``eval/diagnosis.py``: random-anchor tau, tau inside / outside repetition loops, accuracy after a
+rejected round) with ``random_anchor_tau`` and ``ngram_dflash_tau`` at top level.
 """
 
 from __future__ import annotations
@@ -15,11 +17,19 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from dflash_train.eval.diagnosis import summarize_diagnosis
 from dflash_train.eval.runner import summarize, summarize_plain
 from dflash_train.eval.summary import ratio, summarize_rounds
 from dflash_train.eval.verdict import divergence_line, verdict_line
 
-METHOD_LABELS = {"dflash": "DFlash", "ngram": "n-gram", "ddtree": "DDTree"}
+METHOD_LABELS = {"dflash": "DFlash", "ngram": "n-gram", "ngram+dflash": "n-gram+DFlash", "ddtree": "DDTree"}
+# Rows of the printed per-position accuracy of the diagnosis: (group, label).
+DIAGNOSIS_ROWS = (
+    ("anchors", "every anchor"),
+    ("rounds", "every round"),
+    ("after_rejection", "after a rejected round"),
+    ("other_rounds", "other rounds"),
+)
 
 
 class ProgressBars:
@@ -104,11 +114,13 @@ def group_numbers(
                 speedup=ratio(decode["tokens_per_s"], baseline_tps),
             )
         methods[name] = numbers
+    diagnoses = measured.get("diagnoses") or []
     return {
         "num_prompts": len(indices),
         "num_decoded": len(decoded),
         "baseline_tokens_per_s": baseline_tps,
         "methods": methods,
+        "diagnosis": summarize_diagnosis([diagnoses[i] for i in indices], block_size) if diagnoses else None,
     }
 
 
@@ -123,6 +135,8 @@ def flat_numbers(group: dict[str, Any]) -> dict[str, Any]:
         "speedup": main.get("speedup"),
         "ngram_tau": methods.get("ngram", {}).get("tau"),
         "ddtree_tau": methods.get("ddtree", {}).get("tau"),
+        "ngram_dflash_tau": methods.get("ngram+dflash", {}).get("tau"),
+        "random_anchor_tau": (group["diagnosis"] or {}).get("random_anchor_tau"),
         "per_position_acceptance": main.get("per_position_acceptance"),
         "rounds": main.get("rounds"),
         "tokens": main.get("tokens"),
@@ -149,6 +163,7 @@ def finish_report(measured: dict, files, options, block_size: int, extra: dict[s
         "num_decoded_prompts": overall["num_decoded"],
         **extra,
         "methods": overall["methods"],
+        "diagnosis": overall["diagnosis"],
         "divergences": measured["divergences"],
         "timings": {k: round(v, 3) for k, v in measured["timings"].items()},
         "per_file": per_file,
@@ -172,24 +187,59 @@ def print_tables(result: dict[str, Any]) -> None:
     methods = list(result["methods"])
     rows = [(f["file"], f) for f in result["per_file"]] + [("overall", result)]
     width = max(len(name) for name, _ in rows)
+    columns = [max(10, len(METHOD_LABELS[m]) + 4) for m in methods]
     header = f"{'prompts file':<{width}}  {'prompts':>7}  {'tokens':>8}  " + "  ".join(
-        f"{METHOD_LABELS[m] + ' tau':>10}" for m in methods
+        f"{METHOD_LABELS[m] + ' tau':>{c}}" for m, c in zip(methods, columns, strict=True)
     )
     lines = ["", f"eval ({result['tau_mode']} mode, {result['dtype']} on {result['device']})", header]
     for name, row in rows:
-        taus = "  ".join(f"{_fmt(row['methods'][m]['tau'], 3):>10}" for m in methods)
+        taus = "  ".join(
+            f"{_fmt(row['methods'][m]['tau'], 3):>{c}}" for m, c in zip(methods, columns, strict=True)
+        )
         speed = f"  speedup {_fmt(row['speedup'])}x" if row.get("speedup") else ""
         lines.append(f"{name:<{width}}  {row['num_prompts']:>7}  {row['tokens'] or 0:>8}  {taus}{speed}")
     lines.append("per-position acceptance (block positions 1..B-1):")
+    label_width = max(len(METHOD_LABELS[m]) for m in methods)
     for name, row in rows:
         for m in methods:
             accept = " ".join(f"{a:.2f}" for a in row["methods"][m]["per_position_acceptance"])
-            lines.append(f"  {name:<{width}}  {METHOD_LABELS[m]:<7} {accept}")
+            lines.append(f"  {name:<{width}}  {METHOD_LABELS[m]:<{label_width}} {accept}")
+    if result.get("diagnosis"):
+        lines += diagnosis_lines(rows, width)
     lines += [divergence_line(d) for d in result["divergences"]]
     lines.append(verdict_line(result))
     timings = ", ".join(f"{k} {v:.1f}s" for k, v in result["timings"].items())
     lines += [f"time: {timings}", ""]
     print("\n".join(lines), flush=True)
+
+
+def diagnosis_lines(rows, width: int) -> list[str]:
+    """The diagnosis table (pooled over blocks, like the training tau) and the overall teacher-forced
+    accuracy by block position of each group."""
+    names = ("random-anchor tau", "pooled round tau", "loop rounds", "tau in loops", "tau outside loops")
+    lines = [
+        "diagnosis of the DFlash drafts (docs/evaluation.md, 'Diagnosis'):",
+        f"{'prompts file':<{width}}  " + "  ".join(names),
+    ]
+    for name, row in rows:
+        d = row["diagnosis"]
+        fraction = d["loop_round_fraction"]
+        values = (
+            _fmt(d["random_anchor_tau"], 3),
+            _fmt(d["pooled_round_tau"], 3),
+            "-" if fraction is None else f"{100 * fraction:.1f}%",
+            _fmt(d["tau_in_loops"], 3),
+            _fmt(d["tau_outside_loops"], 3),
+        )
+        lines.append(
+            f"{name:<{width}}  " + "  ".join(f"{v:>{len(n)}}" for v, n in zip(values, names, strict=True))
+        )
+    groups = rows[-1][1]["diagnosis"]["groups"]
+    lines.append("teacher-forced accuracy by block position (overall):")
+    for group, label in DIAGNOSIS_ROWS:
+        accuracy = " ".join(_fmt(a) for a in groups[group]["accuracy_by_pos"])
+        lines.append(f"  {label:<22} {accuracy}  ({groups[group]['blocks']} blocks)")
+    return lines
 
 
 def write_outputs(result: dict[str, Any], directory: Path) -> dict[str, str | None]:
@@ -217,7 +267,7 @@ def plot_acceptance(result: dict[str, Any], path: Path) -> str | None:
     matplotlib.use("Agg")  # files only; no display needed
     import matplotlib.pyplot as plt
 
-    styles = {"dflash": "-", "ngram": ":", "ddtree": "--"}
+    styles = {"dflash": "-", "ngram": ":", "ngram+dflash": "-.", "ddtree": "--"}
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for row in result["per_file"]:
         for method, numbers in row["methods"].items():

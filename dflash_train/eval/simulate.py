@@ -135,12 +135,18 @@ class NgramIndex:
 
     def lookup(self, length: int, max_tokens: int) -> list[int]:
         """The continuation the proposer finds for ``ids[:length]`` (empty if no match)."""
+        return self.match(length, max_tokens)[1]
+
+    def match(self, length: int, max_tokens: int, min_size: int = 1) -> tuple[int, list[int]]:
+        """``(size, continuation)``: the longest suffix of ``ids[:length]`` of ``min_size`` .. n tokens
+        that occurred earlier, and what followed its most recent earlier occurrence (``lookup``'s
+        answer); ``(0, [])`` when no such suffix recurs."""
         self._index_until(length - 1)
-        for size in range(min(self.n, length - 1), 0, -1):
+        for size in range(min(self.n, length - 1), max(min_size, 1) - 1, -1):
             start = self.latest[size].get(tuple(self.ids[length - size : length]))
             if start is not None:
-                return self.ids[start + size : min(start + size + max_tokens, length)]
-        return []
+                return size, self.ids[start + size : min(start + size + max_tokens, length)]
+        return 0, []
 
     def _index_until(self, end: int) -> None:
         assert end >= self.indexed, "NgramIndex only grows: look up increasing lengths"
@@ -152,8 +158,13 @@ class NgramIndex:
 
     def propose(self, length: int, block_size: int) -> list[int]:
         """``NgramProposer.propose`` for ``ids[:length]``: B-1 tokens, padded with the last one."""
-        continuation = self.lookup(length, block_size - 1) or [self.ids[length - 1]]
-        return continuation + [continuation[-1]] * (block_size - 1 - len(continuation))
+        return padded_block(self.lookup(length, block_size - 1) or [self.ids[length - 1]], block_size)
+
+
+def padded_block(span: Sequence[int], block_size: int) -> list[int]:
+    """A non-empty proposed span as B-1 draft tokens, padded by repeating its last token (as
+    ``NgramProposer`` pads)."""
+    return [*span, *[span[-1]] * (block_size - 1 - len(span))]
 
 
 def simulate_ngram(
@@ -174,3 +185,50 @@ def simulate_ngram(
         max_new_tokens=max_new_tokens,
         eos_token_ids=eos_token_ids,
     )
+
+
+def simulate_ngram_then_dflash(
+    prompt: Sequence[int],
+    continuation: Sequence[int],
+    drafts_at: DraftFn,
+    *,
+    n: int,
+    min_match: int,
+    block_size: int,
+    max_new_tokens: int,
+    eos_token_ids: Collection[int],
+) -> Generation:
+    """Prompt lookup first, the drafter otherwise (method ``ngram+dflash``), as serving engines that
+    run prompt lookup before a neural drafter do.
+
+    A round drafts the n-gram proposer's block when the longest suffix of ``prompt + C[:out]`` that
+    occurred earlier has at least ``min_match`` tokens (lookup over sizes ``max(n, min_match)`` down to
+    ``min_match``; the block is what followed its most recent occurrence, padded as the proposer
+    pads), and the drafter's block ``drafts_at(out)`` otherwise. With ``min_match <= n`` the n-gram
+    block is exactly the ``ngram`` method's block of that round whenever that method's match has at
+    least ``min_match`` tokens.
+    """
+    if min_match < 1:
+        raise ValueError(f"min_match={min_match}: use >= 1 (the shortest suffix match that drafts by lookup)")
+    index = NgramIndex([*prompt, *continuation], max(n, min_match))
+
+    def draft(out: int) -> Sequence[int]:
+        size, span = index.match(len(prompt) + out, block_size - 1, min_size=min_match)
+        return padded_block(span, block_size) if size else drafts_at(out)
+
+    return simulate_chain(
+        continuation,
+        draft,
+        block_size=block_size,
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=eos_token_ids,
+    )
+
+
+def round_starts(generation: Generation) -> list[int]:
+    """``out`` (tokens emitted before it) of every round of a simulated or decoded request."""
+    starts, out = [], 1
+    for accepted in generation.num_accepted:
+        starts.append(out)
+        out += accepted + 1
+    return starts
