@@ -155,6 +155,31 @@ def test_a_sigterm_after_the_last_step_waits_for_the_final_commit_and_export(tas
     assert (out / "export" / "config.json").is_file()
 
 
+def test_a_resume_from_a_named_checkpoint_sets_the_abandoned_later_ones_aside(task, tmp_path, capsys):
+    """Steps 4, 8 and 12 exist; the run restarts from step 4 by path and is stopped at step 6. Its
+    step 6 is then the newest checkpoint (keep_last kept it), and ``resume: auto`` continues it."""
+    out = tmp_path / "run"
+    train(tiny_config(task, out, "checkpoint.keep_last=3"))
+    assert [p.name for p in ckpt.committed_checkpoints(out)] == [f"step-{s:08d}" for s in (4, 8, 12)]
+    capsys.readouterr()
+
+    def sigterm_during_step_6(run):
+        if run.step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    resume = f"checkpoint.resume={ckpt.step_folder(out, 4)}"
+    hooks = TrainHooks(after_backward=sigterm_during_step_6)
+    assert train(tiny_config(task, out, "checkpoint.keep_last=3", resume), hooks)["step"] == 6
+    log = capsys.readouterr().out
+    assert "moved the abandoned run's later checkpoints step-00000008, step-00000012 to" in log
+    assert [p.name for p in ckpt.committed_checkpoints(out)] == ["step-00000004", "step-00000006"]
+    (aside,) = ckpt.checkpoints_root(out).glob("abandoned-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["step-00000008", "step-00000012"]
+    executed = []
+    train(tiny_config(task, out, "checkpoint.keep_last=3"), step_recorder(executed))
+    assert executed == list(range(7, 13))  # resume: auto continued the new run, not step 12
+
+
 # ----------------------------------------------------------------------------- refused resumes
 
 

@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import time
 import typing
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -116,6 +117,36 @@ def committed_checkpoints(output_dir: str | Path) -> list[Path]:
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     found = committed_checkpoints(output_dir)
     return found[-1] if found else None
+
+
+def set_aside_abandoned(output_dir: str | Path, resumed: str | Path, step: int) -> tuple[list[str], Path | None]:
+    """Rank 0, on a resume from ``resumed`` (step ``step``) named by path: move output_dir's committed
+    checkpoints of later steps (and of the same step, unless it is ``resumed``) into
+    ``checkpoints/abandoned-<time>/``. They belong to the run that was abandoned; left in place,
+    ``keep_last`` would keep them over the new run's and ``resume: auto`` would jump back onto them.
+
+    Returns the names moved and the folder they are in (None when nothing was moved).
+    """
+    resumed = Path(resumed).resolve()
+    later = [
+        p
+        for p in committed_checkpoints(output_dir)
+        if (found := int(STEP_DIR.match(p.name).group(1))) > step
+        or (found == step and p.resolve() != resumed)
+    ]
+    if not later:
+        return [], None
+    root = checkpoints_root(output_dir)
+    stamp = time.strftime("abandoned-%Y%m%d-%H%M%S")
+    aside, n = root / stamp, 1
+    while aside.exists():  # two resumes within a second
+        aside, n = root / f"{stamp}.{n}", n + 1
+    aside.mkdir()
+    for p in later:
+        os.replace(p, aside / p.name)
+    _fsync_dir(aside)
+    _fsync_dir(root)
+    return [p.name for p in later], aside
 
 
 def _fsync_dir(path: Path) -> None:

@@ -138,8 +138,9 @@ class Watchdog:
         self.close()
 
 
-def any_rank_flags(flags: Sequence[bool], device: torch.device | str) -> list[bool]:
-    """For each flag, whether it is set on any rank: one all-reduce (MAX) for several decisions.
+def any_rank_flags(flags: Sequence[bool], device: torch.device | str, group=None) -> list[bool]:
+    """For each flag, whether it is set on any rank of ``group`` (None: all ranks): one all-reduce
+    (MAX) for several decisions.
 
     Without an initialised process group the flags are returned as they are. ``device`` is where
     the collective runs (the rank's CUDA device for NCCL, CPU for gloo).
@@ -148,7 +149,7 @@ def any_rank_flags(flags: Sequence[bool], device: torch.device | str) -> list[bo
     votes = torch.stack([torch.as_tensor(f, device=device).reshape(()).to(torch.int32) for f in flags])
     if not (dist.is_available() and dist.is_initialized()):
         return [bool(v) for v in votes.tolist()]
-    dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+    dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=group)
     # Host sync on purpose: the result decides which branch every rank takes.
     return [bool(v) for v in votes.tolist()]
 

@@ -26,6 +26,7 @@ from torch import nn
 from dflash_train.config import RunConfig
 from dflash_train.train import checkpoint as ckpt
 from dflash_train.train.builders import build_scheduler
+from dflash_train.train.faults import any_rank_flags
 from dflash_train.train.logging import MetricsLogger, log_main
 from dflash_train.train.parallel import DistInfo, full_model_state, unwrap
 
@@ -242,6 +243,8 @@ def maybe_resume(run: Run) -> None:
         current_drafter=run.draft_config.to_serving_dict(),
     )
     state = loaded["train_state"]
+    if mode != "auto":
+        set_aside_abandoned(run, path, state["step"])
     keep_schedule(run, state)  # before the optimizer state loads: a new scheduler resets the LR
     if loaded["sharded"]:
         ckpt.load_sharded_state(run.model, run.optimizer, path, group=checkpoint_group(run))
@@ -254,6 +257,28 @@ def maybe_resume(run: Run) -> None:
     random.setstate(state["rng"]["python"])
     run.step = state["step"]
     log_main(f"resumed from {path} at step {run.step}")
+
+
+def set_aside_abandoned(run: Run, path: Path, step: int) -> None:
+    """A resume from a named checkpoint abandons the output_dir's later ones: rank 0 moves them
+    aside (``ckpt.set_aside_abandoned``) and says so; every rank fails together if it cannot."""
+    moved, aside, error = [], None, None
+    if run.info.is_main:
+        try:
+            moved, aside = ckpt.set_aside_abandoned(run.cfg.output_dir, path, step)
+        except OSError as err:
+            error = err
+    if any_rank_flags([error is not None], run.info.device, group=run.group)[0]:
+        raise RuntimeError(
+            f"checkpoint.resume={path}: could not move the later checkpoints of {run.cfg.output_dir} "
+            f"aside ({error or 'see rank 0'}); move them out of {ckpt.checkpoints_root(run.cfg.output_dir)} "
+            "yourself or resume into a new output_dir."
+        ) from error
+    if moved:
+        log_main(
+            f"checkpoint.resume={path} (step {step}): moved the abandoned run's later checkpoints "
+            f"{', '.join(moved)} to {aside}, so checkpoint.keep_last and a later resume: auto cannot pick them"
+        )
 
 
 def keep_schedule(run: Run, state: dict[str, Any]) -> None:
