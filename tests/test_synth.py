@@ -115,13 +115,13 @@ def test_synth_two_turns_on_the_real_qwen_templates(tmp_path, monkeypatch, templ
     synthesizer = synth_module.Synthesizer(opts)
     seen = []
 
-    def fake_sample_batch(model, prompts, keys, **kwargs):
+    def fake_sample_batch(prompts, keys, **kwargs):
         seen.append(tok.decode(prompts[0]))
         return [Generation(tok("a question about rain", add_special_tokens=False)["input_ids"], True)] * len(
             prompts
         )
 
-    monkeypatch.setattr(synth_module, "sample_batch", fake_sample_batch)
+    monkeypatch.setattr(synthesizer.generator, "generate", fake_sample_batch)
     ((_, messages, problem),) = synthesizer.draw([0])
     assert problem is None and [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
     assert seen[0] == SYSTEM_TURN + "<|im_start|>user\n"
@@ -249,14 +249,14 @@ def test_thinking_switch_reaches_the_template(tmp_path, monkeypatch, thinking, r
     tok = synthesizer.tokenizer
     seen = []
 
-    def fake_sample_batch(model, prompts, keys, **kwargs):
+    def fake_sample_batch(prompts, keys, **kwargs):
         seen.append(tok.decode(prompts[0]))
         return [
             Generation(tok("a question about rain", add_special_tokens=False)["input_ids"], True)
             for _ in prompts
         ]
 
-    monkeypatch.setattr(synth_module, "sample_batch", fake_sample_batch)
+    monkeypatch.setattr(synthesizer.generator, "generate", fake_sample_batch)
     ((_, messages, problem),) = synthesizer.draw([0])
     assert problem is None and [m["role"] for m in messages] == ["user", "assistant", "user"]
     assert seen[0] == "<|im_start|>user\n"

@@ -58,6 +58,9 @@ from dflash_train.data.slot_cache import SlotCache
 RowsCallback = Callable[[int, int], None]
 SUPPORTED_LAYER_TYPES = {"full_attention", "linear_attention"}
 FREE_MEMORY_FRACTION = 0.9  # of the free GPU memory the slot cache may take
+# Callers with many rows (regen, synth) hand the engine this many rows per slot per call: slots
+# freed early are refilled from the rest, and only the call's last rows run in a draining batch.
+QUEUE_ROWS_PER_SLOT = 4
 
 
 def slot_engine_problem(model: torch.nn.Module) -> str | None:
@@ -121,6 +124,7 @@ class SlotEngine:
         self.warmups: dict[tuple, int] = {}
         self.pool = None
         self.num_steps = 0  # decode steps run (tests and benchmarks)
+        self.generated_tokens = 0  # tokens drawn over all calls, stop tokens included (progress)
         slots, device = num_slots, self.device
         self.slot_index = torch.arange(slots, device=device)
         self.positions = torch.zeros(slots, dtype=torch.long, device=device)  # where each slot's token goes
@@ -348,6 +352,7 @@ class Run:
             self.free.append(slot)
             num_tokens += count
         self.free.sort()
+        engine.generated_tokens += num_tokens
         if self.on_rows is not None:
             self.on_rows(len(finished), num_tokens)
 
@@ -411,6 +416,7 @@ class PaddedEngine:
     def __init__(self, model: torch.nn.Module, *, num_slots: int):
         self.model = model
         self.num_slots = num_slots
+        self.generated_tokens = 0
 
     @torch.no_grad()
     def generate(self, prompts, keys, *, max_new_tokens, stop_ids, pad_id, sampling, on_rows=None):
@@ -430,8 +436,10 @@ class PaddedEngine:
             )
             for i, generation in zip(batch, generations, strict=True):
                 results[i] = generation
+            num_tokens = sum(len(g.token_ids) + g.finished for g in generations)
+            self.generated_tokens += num_tokens
             if on_rows is not None:
-                on_rows(len(batch), sum(len(g.token_ids) + g.finished for g in generations))
+                on_rows(len(batch), num_tokens)
         return results
 
 

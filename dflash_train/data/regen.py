@@ -15,8 +15,8 @@ the text (``data.stored_ids``; the endpoint engine returns text only, so its row
 output is appended to and flushed per batch, so an interrupted run resumes: rows whose key is already in the output are skipped, and a partially written last line
 is cut off first.
 
-Engines: ``transformers`` (in process: batched sampling with left padding, ``data.sampling``),
-``vllm`` (offline, when installed) and ``endpoint`` (any OpenAI-compatible server, ``data.endpoint``;
+Engines: ``transformers`` (in process, what ``--engine auto`` runs: ``data.generation``'s continuous
+batching over ``--batch-size`` slots, CUDA graphs on GPU), ``vllm`` (offline, with ``--engine vllm``) and ``endpoint`` (any OpenAI-compatible server, ``data.endpoint``;
 rows that keep failing go to ``OUTPUT.failed.jsonl`` with their reason, rewritten by every run).
 """
 
@@ -32,6 +32,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
+from dflash_train.data.generation import QUEUE_ROWS_PER_SLOT, build_generator
 from dflash_train.data.readers import ChatRow, expand_paths, iter_chat_rows
 from dflash_train.data.regen_options import RegenOptions
 from dflash_train.data.regen_turns import (
@@ -43,7 +44,7 @@ from dflash_train.data.regen_turns import (
     row_key,
     turn_key,
 )
-from dflash_train.data.sampling import Sampling, load_generator, resolve_device, sample_batch
+from dflash_train.data.sampling import Sampling, load_generator, resolve_device
 from dflash_train.data.skips import SkipCounts
 from dflash_train.data.special_tokens import end_of_turn_id, pad_id, resolve_eos_ids
 from dflash_train.data.tokenize import template_kwargs
@@ -77,13 +78,23 @@ def run_regen(opts: RegenOptions) -> dict[str, Any]:
     failed_path = Path(str(output).removesuffix(".jsonl") + ".failed.jsonl")
     t0 = time.perf_counter()
     with open(output, "a", encoding="utf-8") as out, open(failed_path, "w", encoding="utf-8") as failed:
-        chunk = max(opts.batch_size, 8 * opts.concurrency) if opts.endpoint else opts.batch_size
+        # In process, a call holds several rows per slot so that finished rows' slots get refilled.
+        chunk = (
+            max(opts.batch_size, 8 * opts.concurrency)
+            if opts.endpoint
+            else QUEUE_ROWS_PER_SLOT * opts.batch_size
+        )
         bar = tqdm(total=len(todo), unit="row", desc="regen", disable=None)  # rows/s on a terminal
         for batch in chunked(todo, chunk):
             write_results(engine.regenerate(batch), opts, engine.name, out, failed, counts, mismatches)
             bar.update(len(batch))
+            tokens = getattr(getattr(engine, "generator", None), "generated_tokens", None)
+            speed = {} if tokens is None else {"tok_s": round(tokens / (time.perf_counter() - t0))}
             bar.set_postfix(
-                failed=counts["rows_failed"], hit_limit=counts["rows_hit_max_new_tokens"], refresh=False
+                failed=counts["rows_failed"],
+                hit_limit=counts["rows_hit_max_new_tokens"],
+                **speed,
+                refresh=False,
             )
         bar.close()
     elapsed = time.perf_counter() - t0
@@ -239,28 +250,26 @@ def regenerate(engine, rows: list[ChatRow]) -> list[tuple]:
 
 
 def build_engine(opts: RegenOptions):
-    """The endpoint client with ``--endpoint``; else vLLM when allowed and usable, else transformers."""
+    """The endpoint client with ``--endpoint``, vLLM with ``--engine vllm``, else in process
+    (``data.generation``: continuous batching on a preallocated cache, CUDA graphs on GPU)."""
     if opts.endpoint:
         from dflash_train.data.endpoint import EndpointEngine
 
         return EndpointEngine(opts)
     device = resolve_device(opts.device)
-    want_vllm = opts.engine == "vllm" or (opts.engine == "auto" and device.startswith("cuda"))
-    if want_vllm:
+    if opts.engine == "vllm":
         try:
             import vllm  # noqa: F401
         except ImportError as err:
-            if opts.engine == "vllm":
-                raise ValueError(
-                    "--engine vllm needs vLLM: pip install vllm (or use --engine transformers)"
-                ) from err
-        else:
-            return VllmEngine(opts)
+            raise ValueError(
+                "--engine vllm needs vLLM: pip install vllm (or use --engine transformers)"
+            ) from err
+        return VllmEngine(opts)
     return TransformersEngine(opts, device)
 
 
 class TransformersEngine:
-    """In-process batched sampling (``data.sampling``): left padding, KV cache, greedy at temperature 0."""
+    """In-process generation on ``data.generation``'s engine (``--batch-size`` slots), greedy at temperature 0."""
 
     name = "transformers"
 
@@ -272,6 +281,7 @@ class TransformersEngine:
         self.stop_ids = reply_stop_ids(self.tokenizer, eos, self.template_kwargs)
         self.pad_id = pad_id(self.tokenizer, eos)  # no pad token (Llama-3): EOS under the mask
         self.sampling = Sampling(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
+        self.generator = build_generator(self.model, num_slots=opts.batch_size)
 
     def regenerate(self, rows: list[ChatRow]):
         return regenerate(self, rows)
@@ -284,8 +294,7 @@ class TransformersEngine:
             for c in conversations
         ]
         ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        generations = sample_batch(
-            self.model,
+        generations = self.generator.generate(
             ids,
             keys,
             max_new_tokens=self.opts.max_new_tokens,

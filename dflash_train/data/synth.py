@@ -30,8 +30,9 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from dflash_train.data.generation import QUEUE_ROWS_PER_SLOT, build_generator
 from dflash_train.data.prompt_filters import PromptFilter
-from dflash_train.data.sampling import Sampling, load_generator, resolve_device, sample_batch
+from dflash_train.data.sampling import Sampling, load_generator, resolve_device
 from dflash_train.data.special_tokens import (
     SENTINEL,
     end_of_turn_id,
@@ -164,6 +165,7 @@ class Synthesizer:
         self.system = [{"role": "system", "content": opts.system}] if opts.system else []
         self.first_prefix = magpie_prefix(self.tokenizer, self.system, self.kwargs)
         self.sampling = Sampling(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
+        self.generator = build_generator(self.model, num_slots=opts.batch_size)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -189,8 +191,7 @@ class Synthesizer:
                 self.encode(magpie_prefix(self.tokenizer, conversations[i], self.kwargs)) for i in live
             ]
         keys = [(i << 8) | (2 * turn) for i in live]
-        generations = sample_batch(
-            self.model,
+        generations = self.generator.generate(
             prompts,
             keys,
             max_new_tokens=self.opts.max_prompt_tokens,
@@ -209,8 +210,7 @@ class Synthesizer:
 
     def add_replies(self, live: list[int], conversations: dict, problems: dict, turn: int) -> None:
         prompts = [self.encode(render(self.tokenizer, conversations[i], True, **self.kwargs)) for i in live]
-        generations = sample_batch(
-            self.model,
+        generations = self.generator.generate(
             prompts,
             [(i << 8) | (2 * turn - 1) for i in live],
             max_new_tokens=self.opts.max_reply_tokens,
@@ -242,11 +242,14 @@ def run_synth(opts: SynthOptions) -> dict[str, Any]:
     output.parent.mkdir(parents=True, exist_ok=True)
     with open(output, "a", encoding="utf-8") as out:
         while state["rows"] < opts.num_rows and state["next_index"] < budget:
-            indices = list(range(state["next_index"], min(state["next_index"] + opts.batch_size, budget)))
+            # Several samples per slot in one call: slots freed by short prompts are refilled at once.
+            end = min(state["next_index"] + QUEUE_ROWS_PER_SLOT * opts.batch_size, budget)
+            indices = list(range(state["next_index"], end))
             written = write_batch(synth, opts, indices, out, state)
             save_state(state_path, state, synth.filter.summary())
             bar.update(written)
-            bar.set_postfix(synth.filter.summary() | {"drawn": state["next_index"]}, refresh=False)
+            speed = {"tok_s": round(synth.generator.generated_tokens / (time.perf_counter() - t0))}
+            bar.set_postfix(synth.filter.summary() | {"drawn": state["next_index"]} | speed, refresh=False)
     bar.close()
     return summary(opts, state, synth.filter.summary(), kept0, start, time.perf_counter() - t0)
 
