@@ -68,6 +68,7 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
         tau_mode=args.tau_mode,
         decode_prompts=args.decode_prompts,
         decode_engine=args.decode_engine,
+        generation_engine=args.generation_engine,
         dtype=args.dtype,
         batch_size=args.batch_size,
         drafter_batch_tokens=args.drafter_batch_tokens,
@@ -191,6 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="real decoding: static KV cache + CUDA graphs (pure-attention targets), dynamic HF cache "
         "(any target), auto = static where supported",
+    )
+    p.add_argument(
+        "--generation-engine",
+        choices=["auto", "slots", "padded"],
+        default="auto",
+        help="exact mode's greedy continuations: slots (refilled slots, preallocated cache, CUDA-graphed "
+        "decode), padded (one padded batch at a time), auto = slots where the target supports it",
     )
     p.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
     p.add_argument(

@@ -294,6 +294,30 @@ def test_eval_command_decode_mode_and_sampling(tiny_qwen3_dir, tmp_path, capsys)
     assert "--tau-mode exact needs --temperature 0" in capsys.readouterr().err
 
 
+def test_eval_generation_engine_choice_gives_the_same_exact_tau(tiny_qwen3_dir, tmp_path, capsys):
+    """--generation-engine picks how the greedy continuations are made, never what they are."""
+    from dflash_train.cli import main
+    from dflash_train.models.export import save_drafter
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    drafter, config = make_drafter(model, tokenizer)
+    save_drafter(drafter, config, tmp_path / "drafter", dtype="float32")
+    rows = [{"prompt": "def add(a, b):"}, {"prompt": "class Point:"}, {"prompt": "x"}]
+    prompts = write_rows(tmp_path / "p.jsonl", rows)
+    base = ["eval", "--target", str(tiny_qwen3_dir), "--drafter", str(tmp_path / "drafter"), "--prompts", prompts,
+            "--max-new-tokens", "11", "--batch-size", "2", "--device", "cpu", "--no-progress", "--json"]  # fmt: skip
+    results = {}
+    for engine in ("slots", "padded"):
+        assert main([*base, "--generation-engine", engine]) == 0
+        results[engine] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert results["slots"]["tau"] == results["padded"]["tau"]
+    assert results["slots"]["per_file"] == results["padded"]["per_file"]
+    with pytest.raises(SystemExit):  # argparse refuses an unknown engine
+        main([*base, "--generation-engine", "fast"])
+    assert "invalid choice: 'fast'" in capsys.readouterr().err
+
+
 def test_eval_refuses_a_drafter_for_another_target(tiny_qwen3_dir, tiny_hybrid_dir, tmp_path, capsys):
     from dflash_train.cli import main
     from dflash_train.models.export import save_drafter
@@ -321,6 +345,8 @@ def test_eval_options_refuse_bad_values_with_a_remedy():
         EvalOptions(target="t", drafter="d")
     with pytest.raises(ValueError, match="tau_mode"):
         EvalOptions(**base, tau_mode="fast")
+    with pytest.raises(ValueError, match="generation_engine='fast': use auto, slots or padded"):
+        EvalOptions(**base, generation_engine="fast")
     with pytest.raises(ValueError, match="max_new_tokens=0: use >= 1"):
         EvalOptions(**base, max_new_tokens=0)
     with pytest.raises(ValueError, match="DDTree is greedy only"):

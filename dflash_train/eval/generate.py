@@ -46,12 +46,14 @@ def greedy_continuations(
     pad_token_id: int,
     batch_size: int,
     on_batch: Callable[[int], None] | None = None,
+    engine: str = "auto",
 ) -> list[list[int]]:
     """Greedy continuations of every prompt (EOS included when reached), in input order, with
-    ``batch_size`` rows decoding at a time. ``on_batch(num_prompts)`` is called as rows finish."""
+    ``batch_size`` rows decoding at a time. ``on_batch(num_prompts)`` is called as rows finish.
+    ``engine``: ``build_generator``'s auto, slots or padded."""
     if not prompts:
         return []  # a rank with no held-out prompts
-    generator = build_generator(model, num_slots=batch_size)
+    generator = build_generator(model, num_slots=batch_size, engine=engine)
     generations = generator.generate(
         prompts,
         list(range(len(prompts))),  # greedy: the draw keys are never used

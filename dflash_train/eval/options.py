@@ -48,6 +48,9 @@ class EvalOptions:
     # tokens/s as a serving engine sees them), dynamic = HF dynamic cache (every target, slow on GPU),
     # auto = static where the target supports it, else dynamic (printed and in the report).
     decode_engine: str = "auto"
+    # Exact mode's greedy continuations (data/generation.py): slots, padded, or auto (slots where the
+    # target supports it).
+    generation_engine: str = "auto"
     # Target and drafter dtype; auto = bfloat16 on GPU, float32 on CPU.
     dtype: str = "auto"
     # Prompts per batched greedy generation; 0 = 32 on GPU, 8 on CPU.
@@ -77,6 +80,8 @@ class EvalOptions:
             )
         if self.decode_engine not in DECODE_ENGINES:
             raise ValueError(f"decode_engine={self.decode_engine!r}: use one of {list(DECODE_ENGINES)}")
+        if self.generation_engine not in ("auto", "slots", "padded"):
+            raise ValueError(f"generation_engine={self.generation_engine!r}: use auto, slots or padded")
         if self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype={self.dtype!r}: use one of {list(DTYPE_NAMES)}")
         if self.thinking not in THINKING:
