@@ -1,6 +1,7 @@
 """``dflash-train data-stats`` resolves and checks the target exactly as ``train`` does."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -59,10 +60,12 @@ def test_regen_rows_train_from_the_ids_the_target_generated(tmp_path, tiny_hybri
     from tests.test_data_regen import ROWS, regen_args, split_merged_token
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_hybrid_dir)
-    _, canonical, split = split_merged_token(tokenizer)
-    monkeypatch.setattr(  # the target "emits" a split its tokenizer never produces
-        regen, "sample_batch", lambda model, prompts, keys, **_: [Generation(split, True)] * len(prompts)
+    _, _, split = split_merged_token(tokenizer)
+    # The target "emits" a split its tokenizer never produces.
+    fake = SimpleNamespace(
+        generated_tokens=0, generate=lambda prompts, keys, **_: [Generation(split, True)] * len(prompts)
     )
+    monkeypatch.setattr(regen, "build_generator", lambda model, num_slots: fake)
     chats = write_lines(tmp_path / "chats.jsonl", ROWS[:2])
     output = tmp_path / "regen.jsonl"
     result = run_regen(regen_args(tiny_hybrid_dir, chats, output))

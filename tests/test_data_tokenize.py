@@ -266,6 +266,39 @@ def test_a_stored_prompt_unlike_the_rendering_is_counted_and_trains_from_text(tm
     assert data.id_fallbacks == {"template_mismatch": 1} and data.id_sources.tolist() == [0]
     _, data = build_rows(tmp_path, qwen, [{"messages": [*history, first]}], name="last.jsonl", thinking=False)
     assert data.id_fallbacks == {} and data.id_sources.tolist() == [1]  # the last turn keeps its stub
+    # Per reply: the history reply is text, the last reply after it is its stored ids.
+    second = [*row[:3]]
+    last = generated_reply(qwen, second, split, enable_thinking=False)
+    _, data = build_rows(tmp_path, qwen, [{"messages": [*second, last]}], name="both.jsonl", thinking=False)
+    assert data.id_fallbacks == {"template_mismatch": 1} and data.id_sources.tolist() == [1]
+    ids = data.row(0)[0].tolist()
+    prompt = last["prompt_token_ids"]
+    assert ids[: len(prompt)] == prompt and ids[len(prompt) : len(prompt) + len(split)] == split
+
+
+@pytest.mark.parametrize("template", ["markers", "no markers", "qwen"])
+@pytest.mark.parametrize("thinking", [None, False])
+def test_replies_that_round_trip_train_exactly_as_their_text(tokenizer, template, thinking):
+    """Stored ids equal to the text's own tokenization give the text path's ids and mask, bit for
+    bit, whichever replies the template lets them replace."""
+    from dflash_train.data.stored_ids import tokenize_training_row
+
+    plain = CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    chosen = {"markers": tokenizer, "no markers": with_template(tokenizer, plain)}
+    tok = chosen.get(template) or with_template(tokenizer, QWEN_STYLE_TEMPLATE)
+    kwargs = {} if thinking is None else {"enable_thinking": thinking}
+    messages = []
+    for m in CONVERSATION:
+        canonical = ids_of(m["content"], tok)
+        messages.append(
+            generated_reply(tok, messages, canonical, **kwargs) if m["role"] == "assistant" else m
+        )
+    row = tokenize_training_row(tok, messages, thinking)
+    ids, mask = tokenize_chat(tok, CONVERSATION, thinking)
+    assert row.ids.tolist() == ids.tolist() and row.loss_mask.tolist() == mask.tolist()
+    # Which replies could take their ids: all with the plain templates and default thinking; with
+    # thinking off the history reply was generated after a think stub its rendering lacks.
+    assert row.from_token_ids == (template == "qwen" or thinking is None)
 
 
 @pytest.mark.parametrize(

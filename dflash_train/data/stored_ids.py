@@ -15,10 +15,11 @@ never emitted. ``regen`` therefore stores, per assistant message, the generated 
   exactly the ids the target saw, followed by exactly the ids it generated. The loss mask covers the
   generated ids and the template's end-of-turn text after them, as on the text path.
 
-Rows whose stored ids do not fit the current tokenizer and template (another ``data.thinking`` than
-regen's ``--thinking``, another template, an edited reply) are tokenized from their text as before and
-counted by reason (``FALLBACK_REASONS``); ids outside the vocabulary are a bad row
-(``malformed_token_ids``). Rows without ids take the text path unchanged.
+A reply whose stored ids do not fit the current tokenizer and template (another ``data.thinking``
+than regen's ``--thinking``, another template, an edited reply) is tokenized from its text and the row
+is counted by reason (``FALLBACK_REASONS``); a row none of whose replies fits takes the text path
+exactly. Ids outside the vocabulary are a bad row (``malformed_token_ids``). Rows without ids take
+the text path unchanged.
 """
 
 from __future__ import annotations
@@ -61,9 +62,9 @@ class TokenizedChat(NamedTuple):
 
     ids: np.ndarray
     loss_mask: np.ndarray
-    from_token_ids: bool  # the replies are the stored generated ids
-    # (reason, detail) of stored ids that could not be used (the text path was taken); a tuple,
-    # not the exception, so that it pickles from a tokenizer worker process.
+    from_token_ids: bool  # at least one reply is its stored generated ids
+    # (reason, detail) of the first reply whose stored ids could not be used (tokenized from its
+    # text); a tuple, not the exception, so that it pickles from a tokenizer worker process.
     fallback: tuple[str, str] | None = None
 
 
@@ -90,13 +91,16 @@ def tokenize_training_row(
             raise StoredIdsMismatch(
                 "template_mismatch", "placing stored ids needs a fast tokenizer (offsets)"
             )
-        ids, mask = tokenize_with_stored_ids(tokenizer, messages, clean, template_kwargs(thinking))
-    except StoredIdsMismatch as mismatch:
-        fallback = (mismatch.reason, mismatch.detail)
+        ids, mask, mismatch = tokenize_with_stored_ids(tokenizer, messages, clean, template_kwargs(thinking))
+    except StoredIdsMismatch as err:
+        ids, mismatch = None, err
+    fallback = (mismatch.reason, mismatch.detail) if mismatch is not None else None
+    if ids is None:  # no reply could use its ids: exactly the text path
         return TokenizedChat(
             *tokenize_chat(tokenizer, clean, thinking), from_token_ids=False, fallback=fallback
         )
-    return TokenizedChat(np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool), from_token_ids=True)
+    ids, mask = np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool)
+    return TokenizedChat(ids, mask, from_token_ids=True, fallback=fallback)
 
 
 def check_vocabulary(tokenizer, messages: list[dict[str, Any]]) -> None:
@@ -114,8 +118,14 @@ def check_vocabulary(tokenizer, messages: list[dict[str, Any]]) -> None:
                 )
 
 
-def tokenize_with_stored_ids(tokenizer, messages, clean, kwargs) -> tuple[list[int], list[bool]]:
-    """Template text piece by piece with each stored reply spliced in; raises ``StoredIdsMismatch``."""
+def tokenize_with_stored_ids(
+    tokenizer, messages, clean, kwargs
+) -> tuple[list[int] | None, list[bool] | None, StoredIdsMismatch | None]:
+    """Template text piece by piece with each stored reply that fits spliced in, and the first reply
+    that does not (it stays text, like a reply without ids); (None, None, mismatch) when none fits.
+
+    Per reply, not per row: a Qwen3-style template rewrites history turns (drops their think block),
+    so in a multi-turn row an earlier reply may not fit where the last one does."""
     try:
         full, spans = assistant_char_spans(tokenizer, clean, kwargs)
     except TemplateError as err:  # the text path (generation markers) may still give a mask
@@ -123,17 +133,23 @@ def tokenize_with_stored_ids(tokenizer, messages, clean, kwargs) -> tuple[list[i
     turns = [i for i, m in enumerate(clean) if m["role"] == "assistant"]
     ids: list[int] = []
     mask: list[bool] = []
-    cursor = 0
+    cursor, num_spliced, first_mismatch = 0, 0, None
     for i, (start, _) in zip(turns, spans):
         if "token_ids" not in messages[i]:
             continue  # an assistant turn without ids stays text, masked by its span below
-        end = reply_end(tokenizer, messages[i], clean, i, full, start, kwargs)
+        try:
+            end = reply_end(tokenizer, messages[i], clean, i, full, start, kwargs)
+        except StoredIdsMismatch as mismatch:
+            first_mismatch = first_mismatch or mismatch
+            continue
         append_text(tokenizer, full, cursor, start, spans, ids, mask)
         ids += messages[i]["token_ids"]
         mask += [True] * len(messages[i]["token_ids"])
-        cursor = end
+        cursor, num_spliced = end, num_spliced + 1
+    if not num_spliced:
+        return None, None, first_mismatch
     append_text(tokenizer, full, cursor, len(full), spans, ids, mask)
-    return ids, mask
+    return ids, mask, first_mismatch
 
 
 def reply_end(tokenizer, message, clean, i: int, full: str, start: int, kwargs) -> int:
