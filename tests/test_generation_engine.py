@@ -211,6 +211,22 @@ def test_prefill_groups_respect_the_token_budget():
     assert generation.prefill_groups([50], 20) == [[0]]  # a long prompt still gets a group
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["qwen3", "hybrid"])
+def test_cuda_graphs_replay_exactly_what_eager_steps_compute(kind):
+    """fp32 on CUDA: the graphed decode step (several kv buckets, refills, two settings) gives the
+    eager step's and the padded engine's tokens."""
+    model = sharpen(build_tiny_target(kind, vocab_size=64, seed=1)).cuda()
+    prompts = mixed_prompts(64, num_rows=24, seed=3)
+    stops = stop_ids_for(model, prompts)
+    graphed = SlotEngine(model, num_slots=5, kv_bucket=16, use_cuda_graphs=True)
+    eager = SlotEngine(model, num_slots=5, kv_bucket=16, use_cuda_graphs=False)
+    for sampling in (GREEDY, SAMPLED, GREEDY):
+        want = run(PaddedEngine(model, num_slots=24), prompts, stops, sampling, 40)
+        assert run(graphed, prompts, stops, sampling, 40) == run(eager, prompts, stops, sampling, 40) == want
+    assert len(graphed.graphs) >= 2  # more than one kv bucket was captured
+
+
 @pytest.mark.slow
 def test_the_builtin_demo_target_when_it_is_built():
     from transformers import AutoModelForCausalLM

@@ -80,3 +80,7 @@ def test_finished_rows_leave_the_batch_without_changing_the_others(monkeypatch, 
     ]
     assert batched == alone
     assert any(fin and not ids for ids, fin in batched)  # a row that stopped at once: finished, no tokens
+    with_stops = sample_batch(
+        model, prompts, list(range(8)), max_new_tokens=16, stop_ids=stops, pad_id=0, sampling=greedy
+    )
+    assert all((g.stop_id in stops) if g.finished else g.stop_id is None for g in with_stops)
