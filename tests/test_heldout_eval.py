@@ -48,8 +48,9 @@ def metric_rows(out_dir) -> list[dict]:
     return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-def reference_tau(task, prompt_files, drafter_dir) -> dict[str, float]:
-    """Exact tau of an exported drafter, computed here from scratch: overall and per file."""
+def reference_tau(task, prompt_files, drafter_dir) -> dict[str, float | None]:
+    """Exact tau of an exported drafter, computed here from scratch: overall and per file; the same
+    for ``ngram+dflash`` and the random-anchor tau, and the overall diagnosis (None: no block)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_train.eval.exact import exact_acceptance
@@ -63,22 +64,39 @@ def reference_tau(task, prompt_files, drafter_dir) -> dict[str, float]:
     drafter, _ = load_drafter(drafter_dir, dtype=torch.float32)
     eos = default_eos_ids(model, tokenizer)
     pad = pad_token_for(tokenizer, eos)
+    groups = [(f"/{Path(path).stem}", load_prompts(path, tokenizer)) for path in prompt_files]
+    groups.append(("", [p for _, prompts in groups for p in prompts]))
     taus = {}
-    every = []
-    for path in prompt_files:
-        prompts = load_prompts(path, tokenizer)
-        every += prompts
-        taus[f"eval_tau/{Path(path).stem}"] = prompts
-    for key, prompts in [*taus.items(), ("eval_tau", every)]:
+    for suffix, prompts in groups:
         continuations = greedy_continuations(
             model, prompts, max_new_tokens=MAX_NEW_TOKENS, eos_token_ids=eos, pad_token_id=pad, batch_size=4
         )
         result = exact_acceptance(
             model, drafter.eval(), prompts, continuations, max_new_tokens=MAX_NEW_TOKENS, eos_token_ids=eos,
-            pad_token_id=pad,
+            pad_token_id=pad, methods=("dflash", "ngram+dflash"),
         )  # fmt: skip
-        taus[key] = result["methods"]["dflash"]["tau"]
+        taus[f"eval_tau{suffix}"] = result["methods"]["dflash"]["tau"]
+        taus[f"eval_ngram_dflash_tau{suffix}"] = result["methods"]["ngram+dflash"]["tau"]
+        taus[f"eval_random_anchor_tau{suffix}"] = result["diagnosis"]["random_anchor_tau"]
+    diagnosis = result["diagnosis"]  # all prompts: the last group
+    taus.update(
+        eval_loop_round_frac=diagnosis["loop_round_fraction"],
+        eval_tau_in_loops=diagnosis["tau_in_loops"],
+        eval_tau_outside_loops=diagnosis["tau_outside_loops"],
+        eval_random_anchor_acc_by_pos=diagnosis["groups"]["anchors"]["accuracy_by_pos"],
+        eval_acc_by_pos_after_reject=diagnosis["groups"]["after_rejection"]["accuracy_by_pos"],
+        eval_acc_by_pos_other_rounds=diagnosis["groups"]["other_rounds"]["accuracy_by_pos"],
+    )
     return taus
+
+
+def assert_matches_reference(row: dict, reference: dict) -> None:
+    """Every reference number in the metrics row (null in metrics.jsonl where the reference is None)."""
+    for key, value in reference.items():
+        if value is None or isinstance(value, list) and None in value:
+            assert row[key] == value, key
+        else:
+            assert row[key] == pytest.approx(value, abs=1e-9), key
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +129,16 @@ def test_eval_runs_at_the_configured_steps_and_at_the_end(evaluated_run):
         assert 1.0 <= row["eval_tau"] <= 8.0  # block 8: at most 7 accepted + the bonus token
         assert {"eval_tau/repeat", "eval_tau/chat", "eval_tau_best", "time_eval_s"} <= set(row)
         assert len(row["eval_acc_by_pos"]) == 7 and row["time_eval_s"] > 0
+        assert 1.0 <= row["eval_random_anchor_tau"] <= 8.0 and 1.0 <= row["eval_ngram_dflash_tau"] <= 8.0
+        assert {"eval_random_anchor_tau/repeat", "eval_ngram_dflash_tau/chat", "eval_loop_round_frac"} <= set(
+            row
+        )
+        for key in (
+            "eval_random_anchor_acc_by_pos",
+            "eval_acc_by_pos_after_reject",
+            "eval_acc_by_pos_other_rounds",
+        ):
+            assert len(row[key]) == 7, key
         assert all("loss" in r for r in rows)
     ngram_rows = [r["step"] for r in rows if "eval_ngram_tau" in r]
     assert ngram_rows == [5]  # once: the n-gram baseline does not train
@@ -121,8 +149,7 @@ def test_final_eval_tau_is_the_exact_tau_of_the_export(evaluated_run, task, prom
     out, result, _ = evaluated_run
     final = metric_rows(out)[-1]
     reference = reference_tau(task, prompt_files, result["export"])
-    for key, tau in reference.items():
-        assert final[key] == pytest.approx(tau, abs=1e-9), key
+    assert_matches_reference(final, reference)
 
 
 def test_export_best_is_the_best_step(evaluated_run, task, prompt_files):
@@ -223,8 +250,7 @@ def test_two_ranks_evaluate_together(task, prompt_files, tmp_path, parallel):
     assert [r["step"] for r in rows if "eval_tau" in r] == [3, 6]
     # The prompts were split over the ranks and gathered: the tau of all of them, of the final weights.
     reference = reference_tau(task, prompt_files, results[0]["export"])
-    for key, tau in reference.items():
-        assert rows[-1][key] == pytest.approx(tau, abs=1e-9), key
+    assert_matches_reference(rows[-1], reference)
     assert json.loads((out / "export-best" / "eval.json").read_text())["step"] in (3, 6)
 
 
@@ -246,3 +272,38 @@ def test_a_resumed_run_keeps_the_best_export_of_its_first_part(task, prompt_file
     best = max(evaluated, key=lambda r: r["eval_tau"])  # the first of equal maxima
     assert json.loads((out / "export-best" / "eval.json").read_text())["step"] == best["step"]
     assert evaluated[-1]["eval_tau_best"] == best["eval_tau"]
+
+
+def test_diagnosis_metrics_name_each_group_and_file():
+    """The hand-built requests of tests/test_eval_exact.py: A rejects (no loops), B loops (always right)."""
+    import math
+
+    from dflash_train.eval.diagnosis import diagnose_request
+    from dflash_train.eval.simulate import simulate_chain
+    from dflash_train.train.heldout_eval import diagnosis_metrics
+    from tests.test_eval_exact import PERIOD, drafts_from
+
+    def stats(continuation, right_at):
+        drafts = drafts_from(continuation, right_at)
+        common = dict(block_size=4, max_new_tokens=len(continuation), eos_token_ids=set())
+        generation = simulate_chain(continuation, lambda out: drafts[out - 1], **common)
+        return diagnose_request([100], continuation, drafts, generation, ngram_n=3, **common)
+
+    right = {0: (1, 2), 3: (1, 2, 3), 7: (1, 2, 3), 11: (1, 3)}
+    a = stats(list(range(1, 17)), lambda j, k: k in right.get(j, ()))
+    b = stats(PERIOD * 3, lambda j, k: True)
+    metrics = diagnosis_metrics([a, b], [0, 1], ["rejects", "loops"], 4)
+    assert metrics["eval_random_anchor_tau/rejects"] == pytest.approx(24 / 15)
+    assert metrics["eval_random_anchor_tau/loops"] == pytest.approx((21 * 4 + 3 + 2) / 23)
+    assert metrics["eval_random_anchor_tau"] == pytest.approx((24 + 89) / (15 + 23))
+    assert metrics["eval_acc_by_pos_after_reject"] == pytest.approx([0.5, 1.0, 1.0])  # A's only
+    # 3 rounds of A, 6 of B (its last drafts 2: position 3 scored in 5)
+    assert metrics["eval_acc_by_pos_other_rounds"] == pytest.approx([1.0, 8 / 9, 7 / 8])
+    assert metrics["eval_loop_round_frac"] == pytest.approx(4 / 11)  # B's 4 of the 5 + 6 rounds that draft
+    assert metrics["eval_tau_in_loops"] == pytest.approx(15 / 4)
+    assert metrics["eval_tau_outside_loops"] == pytest.approx((14 + 8) / 7)
+    assert len(metrics["eval_random_anchor_acc_by_pos"]) == 3
+    # A group without blocks is NaN (null in metrics.jsonl), never a made-up 0.
+    assert all(
+        math.isnan(x) for x in diagnosis_metrics([b], [0], ["loops"], 4)["eval_acc_by_pos_after_reject"]
+    )

@@ -292,7 +292,7 @@ def exact_measure(
     diagnoses = []
     if diagnose and "dflash" in methods:
         diagnoses = [
-            diagnose_request(p, c, d.tokens.tolist(), g, ngram_n=ngram_n, **common)
+            diagnose_request(p, c, d.tokens, g, ngram_n=ngram_n, **common)
             for p, c, d, g in zip(prompts, continuations, drafts, generations["dflash"], strict=True)
         ]
     timings["simulation"] = time.perf_counter() - started

@@ -14,6 +14,9 @@ EOS token, and a round stops accepting right after an EOS draft (``acceptance.st
 DDTree walks the tree built from the drafter's top-K (``ddtree.build_tree``) along ``C``: the child
 whose token is the next continuation token is the one the target's greedy choice would select.
 
+``simulate_ngram_then_dflash`` is the combination serving engines run (prompt lookup when a long
+enough suffix recurs, the drafter's block otherwise), simulated the same way.
+
 Each function returns a ``speculative.Generation`` (tokens = the continuation, wall time 0), so
 exact and decode mode are summarised by the same code.
 """

@@ -6,6 +6,10 @@ are generated once too (the target never changes) and reused at every evaluation
 one batched feature pass, one batched drafter pass, a host simulation of the rounds) is logged as
 ``eval_tau`` (all files) and ``eval_tau/<file stem>``, with ``eval_acc_by_pos`` and the cost
 ``time_eval_s``; the n-gram baseline (``eval_ngram_tau``) is logged once, with the first evaluation.
+The diagnosis of the same drafts (``eval/diagnosis.py``) is logged beside: the training metric over
+every anchor (``eval_random_anchor_tau``), tau inside / outside repetition loops and the accuracy
+after a rejected round; with ``eval.ngram`` also ``eval_ngram_dflash_tau`` (prompt lookup first,
+the drafter otherwise, lookup when a suffix of ``eval.ngram_n`` tokens recurs).
 The drafter with the best ``eval_tau`` so far is written to ``output_dir/export-best``.
 
 Ranks. The prompts are sharded over the run's ranks (prompt i on rank i % world). Each rank
@@ -36,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dflash_train.eval.diagnosis import BlockStats, summarize_diagnosis
 from dflash_train.eval.speculative import Generation
 from dflash_train.eval.summary import summarize_rounds
 from dflash_train.train.logging import log_main
@@ -120,22 +125,32 @@ def build_heldout_eval(run) -> HeldoutEval | None:
 def evaluate(run, heldout: HeldoutEval) -> dict[str, Any]:
     """Exact greedy tau of the current drafter on the held-out prompts (every rank must call);
     writes ``export-best`` when ``eval_tau`` beats the best so far. Returns the metrics to log."""
-    from dflash_train.eval.exact import exact_generations
+    from dflash_train.eval.exact import exact_measure
 
     started = time.perf_counter()
     cfg = run.cfg.eval
+    block_size = run.draft_config.block_size
+    methods = ("dflash", "ngram+dflash") if cfg.ngram else ("dflash",)
     with untouched_training_state(run.info.device):
         drafter = drafter_copy(run)
-        generations, _ = exact_generations(
+        result = exact_measure(
             run.target, drafter, heldout.prompts, heldout.continuations,
-            max_new_tokens=cfg.max_new_tokens, eos_token_ids=heldout.eos_token_ids, methods=("dflash",),
+            max_new_tokens=cfg.max_new_tokens, eos_token_ids=heldout.eos_token_ids, methods=methods,
+            ngram_n=cfg.ngram_n, ngram_min_match=cfg.ngram_n,
             drafter_batch_tokens=cfg.drafter_batch_tokens, pad_token_id=heldout.pad_token_id,
         )  # fmt: skip
-    ordered, file_of = gather_generations(run, heldout, generations["dflash"])
+    local = list(zip(*(result.generations[m] for m in methods), result.diagnoses, strict=True))
+    ordered, file_of = gather_generations(run, heldout, local)
     metrics, overall = acceptance_metrics(
-        "eval_tau", ordered, file_of, heldout.names, run.draft_config.block_size
+        "eval_tau", [item[0] for item in ordered], file_of, heldout.names, block_size
     )
     metrics["eval_acc_by_pos"] = [float(x) for x in overall["per_position_acceptance"]]
+    if cfg.ngram:
+        combined, _ = acceptance_metrics(
+            "eval_ngram_dflash_tau", [item[1] for item in ordered], file_of, heldout.names, block_size
+        )
+        metrics.update(combined)
+    metrics.update(diagnosis_metrics([item[-1] for item in ordered], file_of, heldout.names, block_size))
     tau = metrics["eval_tau"]
     if tau > heldout.best_tau:  # the same numbers on every rank: the same decision
         heldout.best_tau = tau
@@ -194,10 +209,9 @@ def drafter_copy(run) -> torch.nn.Module:
     return drafter.eval().requires_grad_(False)
 
 
-def gather_generations(
-    run, heldout: HeldoutEval, local: list[Generation]
-) -> tuple[list[Generation], list[int]]:
-    """Every rank's generations in global prompt order, and the file of each."""
+def gather_generations(run, heldout: HeldoutEval, local: list[Any]) -> tuple[list[Any], list[int]]:
+    """Every rank's per-prompt results (a ``Generation``, or a tuple of them and the diagnosis) in
+    global prompt order, and the file of each."""
     payload = list(zip(heldout.indices, heldout.file_of, local, strict=True))
     if run.info.distributed:
         parts: list[Any] = [None] * dist.get_world_size(run.group)
@@ -222,6 +236,39 @@ def acceptance_metrics(
 
 def nan_if_none(value: float | None) -> float:
     return float("nan") if value is None else float(value)
+
+
+def diagnosis_metrics(
+    diagnoses: list[dict[str, BlockStats]], file_of: list[int], files: list[str], block_size: int
+) -> dict[str, float | list[float]]:
+    """The diagnosis as metrics (``eval/diagnosis.py``; NaN where a group has no block):
+    ``eval_random_anchor_tau`` (and ``/<file>``), ``eval_random_anchor_acc_by_pos``,
+    ``eval_loop_round_frac``, ``eval_tau_in_loops``, ``eval_tau_outside_loops``,
+    ``eval_acc_by_pos_after_reject`` and ``eval_acc_by_pos_other_rounds``."""
+    overall = summarize_diagnosis(diagnoses, block_size)
+    groups = overall["groups"]
+
+    def by_pos(group: str) -> list[float]:
+        return [nan_if_none(a) for a in groups[group]["accuracy_by_pos"]]
+
+    metrics: dict[str, float | list[float]] = {
+        "eval_random_anchor_tau": nan_if_none(overall["random_anchor_tau"])
+    }
+    for index, file_name in enumerate(files):
+        subset = [d for d, f in zip(diagnoses, file_of, strict=True) if f == index]
+        tau = summarize_diagnosis(subset, block_size)["random_anchor_tau"]
+        metrics[f"eval_random_anchor_tau/{file_name}"] = nan_if_none(tau)
+    metrics.update(
+        {
+            "eval_random_anchor_acc_by_pos": by_pos("anchors"),
+            "eval_loop_round_frac": nan_if_none(overall["loop_round_fraction"]),
+            "eval_tau_in_loops": nan_if_none(overall["tau_in_loops"]),
+            "eval_tau_outside_loops": nan_if_none(overall["tau_outside_loops"]),
+            "eval_acc_by_pos_after_reject": by_pos("after_rejection"),
+            "eval_acc_by_pos_other_rounds": by_pos("other_rounds"),
+        }
+    )
+    return metrics
 
 
 def ngram_metrics(run, heldout: HeldoutEval) -> dict[str, Any]:
