@@ -119,7 +119,9 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def set_aside_abandoned(output_dir: str | Path, resumed: str | Path, step: int) -> tuple[list[str], Path | None]:
+def set_aside_abandoned(
+    output_dir: str | Path, resumed: str | Path, step: int
+) -> tuple[list[str], Path | None]:
     """Rank 0, on a resume from ``resumed`` (step ``step``) named by path: move output_dir's committed
     checkpoints of later steps (and of the same step, unless it is ``resumed``) into
     ``checkpoints/abandoned-<time>/``. They belong to the run that was abandoned; left in place,
@@ -275,6 +277,10 @@ class CheckpointWriter:
         )
         self.pending: Future | None = None
         self.group: Any = None
+        # The step of the save in flight (asynchronous), which a failure found later names.
+        self.pending_step: int | None = None
+        # The free-space warning is given once per run.
+        self.warned_space = False
 
     def submit(self, output_dir: str | Path, step: int, **state: Any) -> Path:
         """Commit (or start committing) step ``step``; returns the folder it will have once committed."""

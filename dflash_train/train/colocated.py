@@ -38,6 +38,7 @@ from dflash_train.train.run import (
     run_result,
     save,
     save_due,
+    settle_saves,
     total_steps,
     write_run_info,
 )
@@ -98,6 +99,7 @@ def train_loop(run: Run, hooks: TrainHooks, logger: MetricsLogger) -> tuple[floa
             if stopping:
                 log_main(f"SIGTERM: saved {saved} at step {run.step}; exiting")
                 break
+    settle_saves(run)  # the last save's failure, if any, stops every rank here, before the export
     return last_loss, saved
 
 

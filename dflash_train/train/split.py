@@ -52,6 +52,7 @@ from dflash_train.train.run import (
     run_result,
     save,
     save_due,
+    settle_saves,
     total_steps,
     write_run_info,
 )
@@ -296,6 +297,7 @@ def run_drafter_rank(
                         drain(run, ctx)
                         log_main(f"stop requested: saved {saved} at step {run.step}; exiting")
                         break
+            settle_saves(run)  # the last save's failure, if any, stops every drafter rank here
         finally:
             run.writer.close()  # the last checkpoint is committed before the export and the exit
         export = export_final(run) if run.step >= run.total_steps else None

@@ -19,8 +19,14 @@ __all__ = ["NonFiniteError", "TrainHooks", "run_training", "train"]
 
 
 def run_training(recipe: str, overrides: list[str]) -> dict[str, Any]:
-    """CLI entry: ``dflash-train train RECIPE key=value ...``."""
-    return train(load_config(recipe, overrides))
+    """CLI entry: ``dflash-train train RECIPE key=value ...``. A checkpoint that could not be written
+    (e.g. a full disk) is not a bug: every rank exits 1 with its one-line message, no traceback."""
+    from dflash_train.train.checkpoint_space import CheckpointWriteError
+
+    try:
+        return train(load_config(recipe, overrides))
+    except CheckpointWriteError as err:
+        raise SystemExit(f"dflash-train train: error: {err}") from None
 
 
 def train(cfg: RunConfig, hooks: TrainHooks | None = None) -> dict[str, Any]:

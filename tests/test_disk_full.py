@@ -1,0 +1,160 @@
+"""A save that fails for lack of space (a writer seam raising ``OSError(ENOSPC)`` in the middle of a
+shard or of the commit), on one process and on two gloo ranks: every rank stops with one line that
+names the path, the bytes needed and free, and the intact checkpoint; the staging folder is gone; and
+the previous checkpoint resumes bit for bit. Before a save that would not fit, one warning per run."""
+
+import errno
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from dflash_train.train import checkpoint as ckpt
+from dflash_train.train import checkpoint_space as space
+from dflash_train.train.trainer import run_training, train
+from tests.test_train_distributed import free_port
+from tests.train_helpers import become_rank, spawn_ranks, tiny_config, tiny_overrides
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+FAILED_STEP = 8
+# One line: what failed where, the bytes, and the checkpoint a restart continues from.
+MESSAGE = (
+    r"checkpoint of step 8 not saved: .*needs about [\d,]+ bytes \(.*GiB\) \(the size of step-00000004\), "
+    r"[\d,]+ bytes \(.*\) free; the newest committed checkpoint, step 4 \(.*step-00000004\), is intact"
+)
+
+
+def losses(out_dir) -> list[tuple[int, float]]:
+    rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows]
+
+
+def disk_full() -> OSError:
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def fail_mid_shard(monkeypatch_setattr) -> None:
+    """The DCP writer of step 8 writes part of a shard file, then the disk is full."""
+    real = ckpt._storage_writer
+
+    def writer(path):
+        storage = real(path)
+        if f"step-{FAILED_STEP:08d}" in str(path):
+
+            def write_data(plan, planner):
+                (Path(path) / "__partial.distcp").write_bytes(b"\0" * 64)
+                raise disk_full()
+
+            storage.write_data = write_data
+        return storage
+
+    monkeypatch_setattr(ckpt, "_storage_writer", writer)
+
+
+def fail_mid_commit(monkeypatch_setattr) -> None:
+    """Step 8's shards are on disk; the commit's state.pt does not fit."""
+    real = ckpt._fsync_file
+
+    def fsync(path):
+        if path.name == ckpt.STATE_NAME and f"step-{FAILED_STEP:08d}" in str(path.parent):
+            raise disk_full()
+        real(path)
+
+    monkeypatch_setattr(ckpt, "_fsync_file", fsync)
+
+
+FAULTS = {"shard": fail_mid_shard, "commit": fail_mid_commit}
+
+
+def assert_failed_cleanly(out) -> None:
+    assert not ckpt.staging_folder(out, FAILED_STEP).exists()
+    assert not ckpt.step_folder(out, FAILED_STEP).exists()
+    assert ckpt.latest_checkpoint(out).name == "step-00000004"
+
+
+@pytest.mark.parametrize("where,async_write", [("shard", "true"), ("commit", "false")])
+def test_a_full_disk_stops_the_run_with_one_line_and_the_last_checkpoint_resumes(
+    task, tmp_path, monkeypatch, where, async_write
+):
+    out = tmp_path / "run"
+    overrides = tiny_overrides(task, out, f"checkpoint.async_write={async_write}")
+    with monkeypatch.context() as patch:
+        FAULTS[where](patch.setattr)
+        with pytest.raises(SystemExit) as stopped:
+            run_training("tiny-cpu", overrides)  # what `dflash-train train` runs
+    message = str(stopped.value.code)
+    assert message.startswith("dflash-train train: error: ") and "\n" not in message
+    assert "no space left on the device (OSError) writing" in message
+    assert ckpt.staging_folder(out, FAILED_STEP).name in message or "state.pt" in message
+    assert re.search(MESSAGE, message), message
+    assert_failed_cleanly(out)
+    before = losses(out)
+    # Asynchronous: the failure surfaces at the next save (step 12); synchronous: at once.
+    assert [s for s, _ in before] == list(range(1, 13 if async_write == "true" else 9))
+    train(tiny_config(task, out, f"checkpoint.async_write={async_write}"))
+    resumed = losses(out)[len(before) :]
+    assert [s for s, _ in resumed] == list(range(5, 13))
+    assert resumed[: len(before) - 4] == before[4:]  # bit for bit, at every step both runs ran
+
+
+def rank_worker(rank: int, world: int, port: int, task: dict, out: str, where: str, result_dir: str):
+    """One rank: train with the fault on rank 1 (mid-shard) or rank 0 (mid-commit), or none."""
+    become_rank(rank, world, port)
+    if (where == "shard" and rank == 1) or (where == "commit" and rank == 0):
+        FAULTS[where](lambda obj, name, value: setattr(obj, name, value))
+    outcome = {"rank": rank}
+    try:
+        outcome["step"] = train(tiny_config(task, out))["step"]
+    except space.CheckpointWriteError as err:
+        outcome["error"] = str(err)
+    Path(result_dir, f"rank{rank}.json").write_text(json.dumps(outcome))
+
+
+def run_two_ranks(task, out, where, tmp_path) -> list[dict]:
+    results = tmp_path / f"results-{where}"
+    results.mkdir()
+    spawn_ranks(rank_worker, (2, free_port(), task, str(out), where, str(results)), nprocs=2)
+    return [json.loads((results / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("where", ["shard", "commit"])
+def test_a_full_disk_on_one_of_two_ranks_stops_both_and_the_last_checkpoint_resumes(task, tmp_path, where):
+    out = tmp_path / "run"
+    outcomes = run_two_ranks(task, out, where, tmp_path)
+    failing = 1 if where == "shard" else 0
+    for o in outcomes:
+        assert "error" in o, o  # every rank stopped, none hung or went on
+        assert re.search(MESSAGE, o["error"]), o["error"]
+    assert "no space left on the device" in outcomes[failing]["error"]
+    assert_failed_cleanly(out)
+    before = losses(out)
+    assert [s for s, _ in before] == list(range(1, 13))  # asynchronous: found at the step-12 save
+    assert [o.get("step") for o in run_two_ranks(task, out, "none", tmp_path)] == [12, 12]
+    resumed = losses(out)[len(before) :]
+    assert resumed == before[4:]  # steps 5..12, bit for bit
+
+
+def test_a_save_that_would_not_fit_warns_once_per_run(task, tmp_path, monkeypatch):
+    monkeypatch.setattr(space, "free_bytes", lambda output_dir: 1000)
+    with pytest.warns(UserWarning, match=r"the checkpoint of step 4 may not fit.*1,000 bytes") as caught:
+        train(tiny_config(task, tmp_path / "run"))  # saves at 4, 8 and 12
+    assert len([w for w in caught if "may not fit" in str(w.message)]) == 1
+    assert "an estimate" in str(caught[0].message)  # the first save has no earlier one to measure
+
+
+def test_a_full_disk_behind_another_error_is_named_with_the_bytes(tmp_path, monkeypatch):
+    """A full disk can reach DCP as torch's zip-writer RuntimeError (``unexpected pos``)."""
+    last = ckpt.step_folder(tmp_path, 4)
+    last.mkdir(parents=True)
+    (last / ckpt.COMMIT_MARKER).write_text("4\n")
+    (last / "shard").write_bytes(b"\0" * 5000)
+    monkeypatch.setattr(space, "free_bytes", lambda output_dir: 700)
+    error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    message = space.describe_failure(tmp_path, 8, error, num_params=10)
+    assert "unexpected pos 704 vs 598 (RuntimeError) writing" in message
+    assert "most likely because the disk is full" in message and "\n" not in message
+    assert "needs about 5,002 bytes" in message and "700 bytes (0.00 GiB) free" in message
+    assert "step 4 (" in message and "is intact" in message
