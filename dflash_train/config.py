@@ -152,6 +152,13 @@ class EvalConfig:
     # Also log the n-gram prompt-lookup baseline (eval_ngram_tau, once: it does not train).
     ngram: bool = True
     ngram_n: int = 3
+    # The prompt file (its stem, as in eval_tau/<stem>) whose tau picks export-best, e.g.
+    # "heldout_synth" so that a hand-written set is only reported beside; "" = eval_tau over all files.
+    best_by: str = ""
+
+    def best_metric(self) -> str:
+        """The metric export-best maximises: ``eval_tau`` or ``eval_tau/<best_by>``."""
+        return f"eval_tau/{self.best_by}" if self.best_by else "eval_tau"
 
 
 @dataclass(kw_only=True)
@@ -333,6 +340,11 @@ def validate_eval(e: EvalConfig, t: TrainConfig) -> None:
         raise ValueError(
             f"eval.prompts has several files named {repeated}: per-file metrics are keyed by file name "
             "(eval_tau/<name>), so rename or merge them."
+        )
+    if e.best_by and e.best_by not in stems:
+        raise ValueError(
+            f"eval.best_by={e.best_by!r} names no file of eval.prompts (their names: {stems}); give one of "
+            "those names, or '' to choose export-best by eval_tau over all files."
         )
     if e.prompts and t.placement == "split":
         raise NotImplementedError(

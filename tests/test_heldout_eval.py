@@ -197,6 +197,7 @@ def test_eval_is_off_by_default(task):
         (["eval.prompts=[a.jsonl]", "eval.every_steps=-1"], ValueError, "eval.every_steps"),
         (["eval.prompts=[a.jsonl]", "eval.max_new_tokens=1"], ValueError, "eval.max_new_tokens"),
         (["eval.promts=[a.jsonl]"], ValueError, "did you mean 'eval.prompts'"),
+        (["eval.prompts=[x/a.jsonl]", "eval.best_by=b"], ValueError, "eval.best_by='b' names no file"),
     ],
 )
 def test_eval_config_errors_say_what_to_change(task, overrides, error, match):
@@ -272,6 +273,33 @@ def test_a_resumed_run_keeps_the_best_export_of_its_first_part(task, prompt_file
     best = max(evaluated, key=lambda r: r["eval_tau"])  # the first of equal maxima
     assert json.loads((out / "export-best" / "eval.json").read_text())["step"] == best["step"]
     assert evaluated[-1]["eval_tau_best"] == best["eval_tau"]
+
+
+def test_eval_best_by_picks_export_best_by_one_files_tau(task, prompt_files, tmp_path, monkeypatch):
+    """eval.best_by=chat: export-best is the step with the best eval_tau/chat, not eval_tau. The
+    tiny drafter's taus barely move, so planted per-step values (the real per-file numbers otherwise)
+    make the two choices differ: eval_tau is best at step 5, eval_tau/chat at step 10."""
+    from dflash_train.train import heldout_eval
+    from dflash_train.train.trainer import train
+
+    planted = {"eval_tau": [3.0, 1.0, 2.0], "eval_tau/chat": [1.5, 2.5, 2.0]}
+    calls = []
+    real = heldout_eval.acceptance_metrics
+
+    def planted_metrics(prefix, *args):
+        metrics, overall = real(prefix, *args)
+        if prefix == "eval_tau":
+            metrics.update({key: values[len(calls)] for key, values in planted.items()})
+            calls.append(prefix)
+        return metrics, overall
+
+    monkeypatch.setattr(heldout_eval, "acceptance_metrics", planted_metrics)
+    out = tmp_path / "run"
+    train(tiny_config(task, out, "logging.every_steps=3", "eval.best_by=chat", *eval_overrides(prompt_files)))
+    assert len(calls) == 3  # steps 5, 10, 12
+    record = json.loads((out / "export-best" / "eval.json").read_text())
+    assert record["step"] == 10 and record["eval_tau/chat"] == 2.5
+    assert [r["eval_tau_best"] for r in metric_rows(out) if "eval_tau" in r] == [1.5, 2.5, 2.5]
 
 
 def test_diagnosis_metrics_name_each_group_and_file():

@@ -10,7 +10,8 @@ The diagnosis of the same drafts (``eval/diagnosis.py``) is logged beside: the t
 every anchor (``eval_random_anchor_tau``), tau inside / outside repetition loops and the accuracy
 after a rejected round; with ``eval.ngram`` also ``eval_ngram_dflash_tau`` (prompt lookup first,
 the drafter otherwise, lookup when a suffix of ``eval.ngram_n`` tokens recurs).
-The drafter with the best ``eval_tau`` so far is written to ``output_dir/export-best``.
+The drafter with the best ``eval_tau`` so far (or ``eval_tau/<eval.best_by>``, one file's) is written
+to ``output_dir/export-best``.
 
 Ranks. The prompts are sharded over the run's ranks (prompt i on rank i % world). Each rank
 evaluates its shard with a plain, uncompiled copy of the drafter in the training dtype (what the
@@ -151,7 +152,7 @@ def evaluate(run, heldout: HeldoutEval) -> dict[str, Any]:
         )
         metrics.update(combined)
     metrics.update(diagnosis_metrics([item[-1] for item in ordered], file_of, heldout.names, block_size))
-    tau = metrics["eval_tau"]
+    tau = metrics[cfg.best_metric()]
     if tau > heldout.best_tau:  # the same numbers on every rank: the same decision
         heldout.best_tau = tau
         if run.info.is_main:
@@ -293,15 +294,18 @@ def ngram_metrics(run, heldout: HeldoutEval) -> dict[str, Any]:
 
 
 def previous_best_tau(run) -> float:
-    """The ``eval_tau`` of ``export-best`` left by this run before a resume; a run that starts at
-    step 0 replaces whatever an earlier run in the folder left (its first evaluation is the best)."""
+    """The tau (``eval.best_by``'s metric) of ``export-best`` left by this run before a resume; a run
+    that starts at step 0 replaces whatever an earlier run in the folder left (its first evaluation is
+    the best)."""
     best = recover_export_best(Path(run.cfg.output_dir))
     if run.step == 0 or not (best / BEST_RECORD).is_file():
         return -math.inf
     record = json.loads((best / BEST_RECORD).read_text())
     if record.get("step", math.inf) > run.step:
         return -math.inf  # from steps this resumed run is about to redo: they will be evaluated again
-    return float(record["eval_tau"])
+    metric = run.cfg.eval.best_metric()
+    value = record.get(metric)
+    return -math.inf if value is None else float(value)  # chosen by another metric before: re-decide
 
 
 def recover_export_best(output_dir: Path) -> Path:
@@ -329,5 +333,6 @@ def write_export_best(run, drafter: torch.nn.Module, record: dict[str, Any]) -> 
         best.rename(old)
     staging.rename(best)
     shutil.rmtree(old, ignore_errors=True)
-    log_main(f"eval: step {run.step} eval_tau {record['eval_tau']:.3f} is the best so far -> {best}")
+    metric = run.cfg.eval.best_metric()
+    log_main(f"eval: step {run.step} {metric} {record[metric]:.3f} is the best so far -> {best}")
     return best
