@@ -90,3 +90,51 @@ def test_regen_rows_train_from_the_ids_the_target_generated(tmp_path, tiny_hybri
     start = len(first[1]["prompt_token_ids"])
     assert ids[:start] == first[1]["prompt_token_ids"] and ids[start : start + len(split)] == split
     assert not any(mask[:start]) and all(mask[start : start + len(split) + 1])  # + the end of turn
+
+
+def test_replies_regen_cut_at_the_limit_train_without_their_end_of_turn(
+    tmp_path, tiny_hybrid_dir, monkeypatch, capsys
+):
+    """regen writes finished false for a reply cut at --max-new-tokens; training labels its tokens but
+    not the end of turn the template closes it with, and data-stats counts the cut replies."""
+    from transformers import AutoTokenizer
+
+    from dflash_train.config import load_config
+    from dflash_train.data import regen
+    from dflash_train.data.cache import load_or_build
+    from dflash_train.data.regen import run_regen
+    from dflash_train.data.sampling import Generation
+    from tests.test_data_regen import ROWS, regen_args
+    from tests.test_data_tokenize import labelled_end_of_turn
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_hybrid_dir)
+    reply = tokenizer("two plus two", add_special_tokens=False)["input_ids"]
+
+    def generate(prompts, keys, **_):  # the row with a system prompt runs into the limit, every turn
+        return [Generation(reply, "be brief" not in tokenizer.decode(p)) for p in prompts]
+
+    monkeypatch.setattr(
+        regen,
+        "build_generator",
+        lambda model, num_slots: SimpleNamespace(generated_tokens=0, generate=generate),
+    )
+    output = tmp_path / "regen.jsonl"
+    result = run_regen(regen_args(tiny_hybrid_dir, write_lines(tmp_path / "chats.jsonl", ROWS[:2]), output))
+    assert result["rows_done"] == 2 and result["rows_hit_max_new_tokens"] == 1
+    rows = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [r["regen"]["finished"] for r in rows] == [[False, False], [True]]
+
+    register_builtin_target("stats-test-target", lambda name: tiny_hybrid_dir)
+    args = overrides(tmp_path, output, "builtin:stats-test-target")
+    capsys.readouterr()
+    stats = run_data_stats("tiny-cpu", args)
+    data = load_or_build(load_config("tiny-cpu", args).data, tokenizer, build=False)
+    assert [labelled_end_of_turn(tokenizer, *data.row(i)) for i in range(2)] == [[False, False], [True]]
+    ids, mask = (a.tolist() for a in data.row(1))  # the finished reply: its ids, then its end of turn
+    start = len(rows[1]["messages"][1]["prompt_token_ids"])
+    assert ids[start : start + len(reply)] == reply and all(mask[start : start + len(reply) + 1])
+    assert (stats["replies_cut"], stats["rows_with_cut_reply"], stats["rows_from_token_ids"]) == (2, 1, 2)
+    assert (
+        "replies cut at regen's --max-new-tokens (trained without their end-of-turn label): 2, in 1 of 2"
+        in (capsys.readouterr().out)
+    )

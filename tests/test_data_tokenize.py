@@ -337,3 +337,179 @@ def test_token_ids_must_come_in_pairs_and_only_on_assistant_messages(tmp_path, t
         tmp_path, tokenizer, [{"messages": [*history, alone]}], name="b.jsonl", max_bad_rows=1
     )
     assert data.skips.to_dict() == {"malformed_token_ids": 1}
+
+
+# ----------------------------------------------------------------------------- replies cut at the limit
+
+
+def tokenizer_for(tokenizer, template: str):
+    """The tiny tokenizer with its marker template, the same without markers, or the Qwen-style one."""
+    plain = CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    if template == "markers":
+        return tokenizer
+    return with_template(tokenizer, plain if template == "no markers" else QWEN_STYLE_TEMPLATE)
+
+
+def labelled_end_of_turn(tokenizer, ids, mask) -> list[bool]:
+    """Per ``<|im_end|>`` closing an assistant turn (in order), whether it is a loss token."""
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    header = ids_of("<|im_start|>assistant\n", tokenizer)
+    ids, flags, in_reply = ids.tolist(), [], False
+    for k, token in enumerate(ids):
+        if ids[k : k + len(header)] == header:
+            in_reply = True
+        elif token == end and in_reply:
+            flags.append(bool(mask[k]))
+            in_reply = False
+    return flags
+
+
+@pytest.mark.parametrize("template", ["markers", "no markers", "qwen"])
+def test_a_reply_cut_at_the_limit_has_no_end_of_turn_label(tokenizer, template):
+    """regen.finished false: the target would have gone on, so its turn end is no label; the reply's
+    own tokens keep theirs, and a finished reply (or a row without the flags) keeps its end of turn."""
+    tok = tokenizer_for(tokenizer, template)
+    messages = CONVERSATION[:3]
+    ids, mask = tokenize_chat(tok, messages)
+    assert labelled_end_of_turn(tok, ids, mask) == [True]
+    for finished in ([True], None):
+        same = tokenize_chat(tok, messages, finished=finished)
+        assert same[0].tolist() == ids.tolist() and same[1].tolist() == mask.tolist()
+    cut_ids, cut_mask = tokenize_chat(tok, messages, finished=[False])
+    assert cut_ids.tolist() == ids.tolist()  # the tokens stay; only their labels change
+    assert labelled_end_of_turn(tok, cut_ids, cut_mask) == [False]
+    assert masked_spans(tok, cut_ids, cut_mask) == [
+        masked_spans(tok, ids, mask)[0].removesuffix("<|im_end|>")
+    ]
+    assert int(mask.sum()) - int(cut_mask.sum()) == 1
+
+
+@pytest.mark.parametrize("template", ["markers", "no markers", "qwen"])
+@pytest.mark.parametrize("finished", [[False, True], [True, False], [False, False]])
+def test_each_cut_reply_of_a_multi_turn_row_loses_its_own_end_of_turn(tokenizer, template, finished):
+    tok = tokenizer_for(tokenizer, template)
+    ids, mask = tokenize_chat(tok, CONVERSATION, finished=finished)
+    assert labelled_end_of_turn(tok, ids, mask) == finished
+    full_ids, full_mask = tokenize_chat(tok, CONVERSATION)
+    assert ids.tolist() == full_ids.tolist()
+    assert int(full_mask.sum()) - int(mask.sum()) == finished.count(False)
+    replies = masked_spans(tok, full_ids, full_mask)  # what each reply labels when it ended on its own
+    assert masked_spans(tok, ids, mask) == [
+        text if done else text.removesuffix("<|im_end|>") for text, done in zip(replies, finished)
+    ]
+
+
+def regen_row(messages, finished) -> dict:
+    return {"messages": messages, "regen": {"key": "k", "finished": finished}}
+
+
+def test_regen_finished_reaches_the_cache_and_the_data_stats(tmp_path, tokenizer):
+    """From the row's regen record to the training mask, on the text and the stored-ids path."""
+    from dflash_train.data.loader import TrainData
+
+    text, split = split_of_a_merged_token(tokenizer)
+    history = [{"role": "user", "content": "what is two plus two?"}]
+    reply = generated_reply(tokenizer, history, split)
+    text_row = [*history, {"role": "assistant", "content": "two plus two is four."}]
+    rows = [
+        regen_row(text_row, [True]),
+        regen_row(text_row, [False]),
+        {"messages": text_row},
+        regen_row([*history, reply], [True]),
+        regen_row([*history, reply], [False]),
+    ]
+    _, data = build_rows(tmp_path, tokenizer, rows)
+    flags = [labelled_end_of_turn(tokenizer, *data.row(i))[0] for i in range(data.num_rows)]
+    assert flags == [True, False, True, True, False]
+    assert data.id_sources.tolist() == [0, 0, 0, 1, 1]
+    # Stored ids, cut: the prompt, the generated ids labelled, then the end of turn unlabelled.
+    ids, mask = (a.tolist() for a in data.row(4))
+    prompt, end_of_turn = reply["prompt_token_ids"], ids_of("<|im_end|>\n", tokenizer)
+    assert ids == prompt + split + end_of_turn
+    assert mask == [False] * len(prompt) + [True] * len(split) + [False] * len(end_of_turn)
+    assert data.cut_replies.tolist() == [0, 1, 0, 0, 1]
+    stats = TrainData(data, DataConfig(paths=["x"]), seed=0, rank=0, world_size=1, pad_id=0).stats
+    assert (stats.replies_cut, stats.rows_with_cut_reply) == (2, 2)
+
+
+def test_stored_ids_of_a_multi_turn_row_with_a_cut_history_reply(tmp_path, tokenizer):
+    text, split = split_of_a_merged_token(tokenizer)
+    first = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    reply_one = generated_reply(tokenizer, first, split)
+    second = [*first, {"role": "assistant", "content": text}, {"role": "user", "content": "more"}]
+    second_ids = ids_of("two plus two is four.", tokenizer)
+    reply_two = generated_reply(tokenizer, second, second_ids)
+    messages = [*first, reply_one, *second[3:], reply_two]
+    _, data = build_rows(tmp_path, tokenizer, [regen_row(messages, [False, True])])
+    ids, mask = data.row(0)
+    assert labelled_end_of_turn(tokenizer, ids, mask) == [False, True]
+    assert data.id_sources.tolist() == [1] and data.cut_replies.tolist() == [1]
+    assert masked_spans(tokenizer, ids, mask) == [tokenizer.decode(split), "two plus two is four.<|im_end|>"]
+    # The same ids as the uncut row: only the first reply's end-of-turn label is gone.
+    _, whole = build_rows(tmp_path, tokenizer, [regen_row(messages, [True, True])], name="whole.jsonl")
+    assert whole.row(0)[0].tolist() == ids.tolist()
+    assert (np.asarray(whole.row(0)[1]) != np.asarray(mask)).sum() == 1
+
+
+@pytest.mark.parametrize(
+    "finished, message",
+    [
+        ([False], r"regen.finished has 1 flags for 2 assistant messages"),
+        ([True, False, True], r"regen.finished has 3 flags for 2 assistant messages"),
+        ([1, 0], r"regen.finished must be a list of true/false, one per assistant message; got \[1, 0\]"),
+        ("no", "regen.finished must be a list of true/false"),
+    ],
+)
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_regen_finished_that_does_not_pair_with_the_replies_is_a_bad_row(
+    tmp_path, tokenizer, finished, message, num_workers
+):
+    """One flag per assistant message, in regen's order; another count means the row was edited
+    after regen and no flag can be trusted to name its reply."""
+    good = regen_row(CONVERSATION, [True, False])
+    bad = regen_row(CONVERSATION, finished)
+    with pytest.raises(ValueError, match=rf"chat.jsonl:2: bad row \(malformed_regen_finished\): {message}"):
+        build_rows(tmp_path, tokenizer, [good, bad], num_workers=num_workers)
+    _, data = build_rows(tmp_path, tokenizer, [good, bad], name="b.jsonl", max_bad_rows=1)
+    assert data.num_rows == 1 and data.skips.to_dict() == {"malformed_regen_finished": 1}
+
+
+def test_a_template_whose_cut_turn_does_not_end_with_its_closing_text_is_refused(tokenizer):
+    """The end-of-turn tokens must be told from the content, never guessed."""
+    plain = CHAT_TEMPLATE.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    # Closes each assistant turn with its position, so the probe's closing text is not this turn's.
+    numbered = plain.replace("'<|im_end|>' }}", "'<|im_end|>' + loop.index|string }}", 1)
+    assert numbered != plain
+    odd = with_template(tokenizer, numbered)
+    assert tokenize_chat(odd, CONVERSATION[:3])[1].any()  # finished rows are unaffected
+    with pytest.raises(TemplateError, match="assistant turn 0 was cut at the generation limit"):
+        tokenize_chat(odd, CONVERSATION[:3], finished=[False])
+
+
+def test_generation_blocks_that_do_not_pair_with_the_replies_are_refused_for_a_cut_row(tokenizer):
+    last_only = CHAT_TEMPLATE.replace("{% generation %}", "{% if loop.last %}{% generation %}").replace(
+        "{% endgeneration %}",
+        "{% endgeneration %}{% else %}{{ message['content'] + '<|im_end|>' }}{% endif %}",
+    )
+    marked = with_template(tokenizer, last_only)
+    assert has_generation_markers(marked) and tokenize_chat(marked, CONVERSATION)[1].any()
+    with pytest.raises(
+        TemplateError, match=r"generation %\} blocks \(1 labelled runs of tokens\) do not match"
+    ):
+        tokenize_chat(marked, CONVERSATION, finished=[False, True])
+
+
+@pytest.mark.parametrize("family", ["smollm2", "llama3", "qwen35", "qwen3", "qwen3.5", "qwen3.6"])
+def test_cut_replies_lose_exactly_their_end_of_turn_token_on_real_family_templates(family):
+    from tests.chat_families import QWEN_TEMPLATES, family_tokenizer, qwen_tokenizer
+
+    tok = qwen_tokenizer(family) if family in QWEN_TEMPLATES else family_tokenizer(family)
+    end_of_turn = {"llama3": "<|eot_id|>"}.get(family, "<|im_end|>")
+    ids, mask = tokenize_chat(tok, CONVERSATION)
+    cut_ids, cut_mask = tokenize_chat(tok, CONVERSATION, finished=[False, True])
+    assert cut_ids.tolist() == ids.tolist()
+    unlabelled = np.flatnonzero(mask != cut_mask)
+    assert [tok.decode([int(ids[k])]) for k in unlabelled] == [end_of_turn] and not cut_mask[unlabelled].any()
+    # It is the first reply's: the last labelled token of the first run of labels.
+    first_run_end = int(np.flatnonzero(np.diff(mask.astype(np.int8)) == -1)[0])
+    assert unlabelled.tolist() == [first_run_end]

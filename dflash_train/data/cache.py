@@ -3,8 +3,9 @@
 Cache layout (one directory per key): ``ids.bin`` (int32, all rows concatenated), ``mask.bin``
 (uint8 loss mask, same length), ``offsets.npy`` (int64 [N+1]), ``rows.npy`` (int64 [N, 2]: file
 index, line), ``id_sources.npy`` (uint8 [N]: ``ID_*``, whether a row's replies are the generated
-ids it stores, ``data.stored_ids``), ``meta.json`` (files, skip counts, rows whose stored ids fell
-back to their text, settings). Arrays are memory-mapped, so a dataset larger than RAM works. The
+ids it stores, ``data.stored_ids``), ``cut_replies.npy`` (int32 [N]: replies cut at the generation
+limit, trained without their end of turn), ``meta.json`` (files, skip counts, rows whose stored ids
+fell back to their text, settings). Arrays are memory-mapped, so a dataset larger than RAM works. The
 key hashes everything that changes the tokens: the tokenizer (its full serialisation), the chat
 template, ``data.format``/``data.thinking``, the cache version (the row format training reads) and,
 per data file, its path, size and mtime. Bucket and over-length settings are applied after loading, so changing them never
@@ -29,14 +30,23 @@ from pathlib import Path
 import numpy as np
 
 from dflash_train.config import DataConfig
-from dflash_train.data.readers import ChatRow, expand_paths, fingerprint, format_where, iter_chat_rows
+from dflash_train.data.readers import (
+    ChatRow,
+    expand_paths,
+    fingerprint,
+    format_where,
+    iter_chat_rows,
+    reply_finished,
+)
 from dflash_train.data.skips import BadRowError, SkipCounts
 from dflash_train.data.stored_ids import FALLBACK_REASONS, tokenize_training_row
 from dflash_train.data.tokenize import check_tokenizer
 
 # 2: rows train from their stored token ids (id_sources.npy, meta "token_ids"); a cache of version 1
 # tokenized such rows from their text.
-CACHE_VERSION = 2
+# 3: a reply cut at the generation limit (regen.finished false) has no end-of-turn label
+# (cut_replies.npy); a cache of version 2 labelled it.
+CACHE_VERSION = 3
 # id_sources.npy codes: replies tokenized from text; from stored ids; from stored ids in a row whose
 # regen.round_trip says the text would have tokenized to other ids.
 ID_FROM_TEXT, ID_STORED, ID_STORED_NOT_ROUND_TRIP = 0, 1, 2
@@ -59,10 +69,13 @@ class TokenizedData:
     # Rows that store ids but were tokenized from their text: {reason: count}, first example per reason.
     id_fallbacks: dict[str, int] = field(default_factory=dict)
     id_fallback_examples: dict[str, str] = field(default_factory=dict)
+    cut_replies: np.ndarray | None = None  # int32 [N]: replies cut at the generation limit; None: none
 
     def __post_init__(self):
         if self.id_sources is None:
             self.id_sources = np.full(self.num_rows, ID_FROM_TEXT, dtype=np.uint8)
+        if self.cut_replies is None:
+            self.cut_replies = np.zeros(self.num_rows, dtype=np.int32)
 
     @property
     def num_rows(self) -> int:
@@ -147,6 +160,7 @@ def load_cache(directory: Path, max_bad_rows: int) -> TokenizedData:
         id_sources=np.load(directory / "id_sources.npy"),
         id_fallbacks=meta["token_ids"]["fallback"],
         id_fallback_examples=meta["token_ids"]["examples"],
+        cut_replies=np.load(directory / "cut_replies.npy"),
     )
 
 
@@ -164,11 +178,12 @@ def build_cache(cfg: DataConfig, tokenizer, files: list[str], directory: Path) -
     staging.mkdir(parents=True, exist_ok=True)
     fallbacks = IdFallbacks()
     try:
-        offsets, origins, response_counts, id_sources = write_rows(
+        offsets, origins, response_counts, id_sources, cut_replies = write_rows(
             cfg, tokenizer, files, skips, fallbacks, staging
         )
         np.save(staging / "response.npy", np.asarray(response_counts, dtype=np.int64))
         np.save(staging / "id_sources.npy", np.asarray(id_sources, dtype=np.uint8))
+        np.save(staging / "cut_replies.npy", np.asarray(cut_replies, dtype=np.int32))
         np.save(staging / "offsets.npy", np.asarray(offsets, dtype=np.int64))
         np.save(staging / "rows.npy", np.asarray(origins, dtype=np.int64).reshape(-1, 2))
         meta = {
@@ -220,14 +235,14 @@ def publish(staging: Path, directory: Path) -> None:
 
 def write_rows(
     cfg, tokenizer, files, skips: SkipCounts, fallbacks: IdFallbacks, staging: Path
-) -> tuple[list, list, list, list]:
-    """Stream tokenized rows into ids.bin/mask.bin; returns offsets, (file, line), response counts
-    and id sources (``ID_*``)."""
+) -> tuple[list, list, list, list, list]:
+    """Stream tokenized rows into ids.bin/mask.bin; returns offsets, (file, line), response counts,
+    id sources (``ID_*``) and cut replies per row."""
     from tqdm.auto import tqdm
 
     file_index = {f: i for i, f in enumerate(files)}
     rows = iter_chat_rows(files, skips, cfg.format, cfg.streaming)
-    offsets, origins, response_counts, id_sources = [0], [], [], []
+    offsets, origins, response_counts, id_sources, cut_replies = [0], [], [], [], []
     with (
         open(staging / "ids.bin", "wb") as ids_out,
         open(staging / "mask.bin", "wb") as mask_out,
@@ -247,7 +262,8 @@ def write_rows(
             origins.append((file_index[row.source], row.line))
             response_counts.append(int(chat.loss_mask.sum()))
             id_sources.append(id_source(chat.from_token_ids, row))
-    return offsets, origins, response_counts, id_sources
+            cut_replies.append(chat.num_cut_replies)
+    return offsets, origins, response_counts, id_sources, cut_replies
 
 
 def id_source(from_token_ids: bool, row: ChatRow) -> int:
@@ -278,14 +294,18 @@ def init_worker(tokenizer, thinking) -> None:
     _WORKER["tokenizer"], _WORKER["thinking"] = tokenizer, thinking
 
 
-def tokenize_task(conversations: list[list[dict]]) -> list[tuple]:
-    """(``TokenizedChat``, None) or (None, (reason, detail)) per conversation: the bad row's reason as
-    a tuple, since a ``BadRowError`` does not survive the trip back from a worker process (pickling
-    an exception re-creates it from its message alone)."""
+def tokenize_task(rows: list[ChatRow]) -> list[tuple]:
+    """(``TokenizedChat``, None) or (None, (reason, detail)) per row: the bad row's reason as a tuple,
+    since a ``BadRowError`` does not survive the trip back from a worker process (pickling an
+    exception re-creates it from its message alone). A row's ``regen.finished`` goes with its
+    messages (``data.readers.reply_finished``): a reply cut at the generation limit has no
+    end-of-turn label."""
     results = []
-    for messages in conversations:
+    for row in rows:
         try:
-            results.append((tokenize_training_row(_WORKER["tokenizer"], messages, _WORKER["thinking"]), None))
+            finished = reply_finished(row)
+            chat = tokenize_training_row(_WORKER["tokenizer"], row.messages, _WORKER["thinking"], finished)
+            results.append((chat, None))
         except BadRowError as err:
             results.append((None, (err.reason, err.detail)))
     return results
@@ -297,7 +317,7 @@ def tokenized_rows(rows: Iterator[ChatRow], tokenizer, cfg: DataConfig) -> Itera
     if cfg.num_workers <= 1:
         init_worker(tokenizer, cfg.thinking)
         for chunk in chunks:
-            yield from zip(chunk, tokenize_task([r.messages for r in chunk]))
+            yield from zip(chunk, tokenize_task(chunk))
         return
     # fork: workers inherit the tokenizer without pickling and start in milliseconds; they only
     # run Python/Rust tokenization, never CUDA, so forking a CUDA-initialised parent is safe.
@@ -307,7 +327,7 @@ def tokenized_rows(rows: Iterator[ChatRow], tokenizer, cfg: DataConfig) -> Itera
         # chunks is in flight, so memory does not grow with the dataset.
         in_flight: deque = deque()
         for chunk in chunks:
-            in_flight.append((chunk, pool.apply_async(tokenize_task, ([r.messages for r in chunk],))))
+            in_flight.append((chunk, pool.apply_async(tokenize_task, (chunk,))))
             if len(in_flight) >= 4 * cfg.num_workers:
                 done, result = in_flight.popleft()
                 yield from zip(done, result.get())

@@ -60,6 +60,10 @@ class DataStats:
     rows_from_token_ids: int = 0
     rows_not_round_trip: int = 0
     token_ids_fallback: dict[str, int] = field(default_factory=dict)
+    # Replies that regen cut at --max-new-tokens (regen.finished false), trained without their
+    # end-of-turn label, and the rows holding at least one.
+    replies_cut: int = 0
+    rows_with_cut_reply: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -185,10 +189,13 @@ class TrainData:
 
     def _token_id_stats(self) -> dict[str, Any]:
         sources = self.tokenized.id_sources[self.row_index]
+        cut = self.tokenized.cut_replies[self.row_index]
         return {
             "rows_from_token_ids": int((sources != ID_FROM_TEXT).sum()),
             "rows_not_round_trip": int((sources == ID_STORED_NOT_ROUND_TRIP).sum()),
             "token_ids_fallback": dict(sorted(self.tokenized.id_fallbacks.items())),
+            "replies_cut": int(cut.sum()),
+            "rows_with_cut_reply": int((cut > 0).sum()),
         }
 
     # ------------------------------------------------------------------ order
@@ -264,6 +271,7 @@ class TrainData:
             "skipped_rows": s.num_skipped,
             "steps_per_epoch": s.steps_per_epoch,
             "rows_from_token_ids": s.rows_from_token_ids,
+            "replies_cut": s.replies_cut,
         }
 
     # ------------------------------------------------------------------ resume

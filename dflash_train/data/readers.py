@@ -291,6 +291,36 @@ def check_token_id_fields(message: dict[str, Any], index: int) -> None:
             )
 
 
+def reply_finished(row: ChatRow) -> list[bool] | None:
+    """Per assistant message of ``row``, in order, whether its reply ended on its own: the row's
+    ``regen.finished`` (False where ``regen`` cut the reply at ``--max-new-tokens``; training gives
+    such a reply no end-of-turn label, ``data.tokenize``). None for rows without that record (user
+    data, ``synth`` output). Raises ``BadRowError``.
+
+    ``regen`` generates the assistant turns of a row in order and writes one flag per reply, so the
+    list pairs with the assistant messages one to one. A list of another length means the row was
+    edited after regen (turns added or removed) and no flag can be trusted to name its reply: the row
+    is a bad row (``malformed_regen_finished``), not trained with guessed labels.
+    """
+    regen = (row.extra or {}).get("regen")
+    if not isinstance(regen, dict) or "finished" not in regen:
+        return None
+    finished = regen["finished"]
+    if not isinstance(finished, list) or any(type(flag) is not bool for flag in finished):
+        raise BadRowError(
+            "malformed_regen_finished",
+            f"regen.finished must be a list of true/false, one per assistant message; got {str(finished)[:60]}",
+        )
+    num_replies = sum(m["role"] == "assistant" for m in row.messages)
+    if len(finished) != num_replies:
+        raise BadRowError(
+            "malformed_regen_finished",
+            f"regen.finished has {len(finished)} flags for {num_replies} assistant messages (regen writes "
+            "one per reply, in order: was the row edited after regen?); fix the list or remove regen.finished",
+        )
+    return finished
+
+
 def from_sharegpt(turn: Any, index: int) -> dict[str, Any]:
     if not isinstance(turn, dict):
         raise BadRowError("not_a_chat_row", f"turn {index} is not an object")

@@ -23,6 +23,7 @@ BAD_ROW_REASONS = (
     "no_response_tokens",
     "no_valid_anchor",
     "malformed_token_ids",
+    "malformed_regen_finished",
 )
 # Outcomes of data.overlong, counted but not limited.
 POLICY_REASONS = ("overlong_dropped", "overlong_truncated", "truncated_without_anchor")
@@ -38,6 +39,7 @@ REMEDIES = {
     "no_response_tokens": "the assistant turns render to no tokens; remove the row",
     "no_valid_anchor": "a row needs at least 2 consecutive response tokens; remove the row",
     "malformed_token_ids": "store token_ids and prompt_token_ids as the target's ids (docs/data.md), or remove both",
+    "malformed_regen_finished": "give regen.finished one true/false per assistant message (docs/data.md), or remove it",
 }
 
 

@@ -1,8 +1,9 @@
 """``dflash-train data-stats``: what a recipe's data becomes before any GPU time is spent.
 
 Tokenizes (or loads the cache of) the recipe's data with the target's tokenizer and reports rows,
-tokens, response tokens, the length histogram by bucket, padding waste, skips by reason and how many
-rows train from the generated token ids they store (``data.stored_ids``).
+tokens, response tokens, the length histogram by bucket, padding waste, skips by reason, how many
+rows train from the generated token ids they store (``data.stored_ids``) and how many replies were
+cut at regen's ``--max-new-tokens`` (trained without their end-of-turn label, ``data.tokenize``).
 The padding waste is reported for both batching modes (length buckets and ``data.packing``), so
 the choice can be made before training (docs/data.md, "Packing").
 """
@@ -44,6 +45,10 @@ def run_data_stats(recipe: str, overrides: list[str] | None = None) -> dict[str,
     for reason, example in sorted(data.skips.examples.items()):
         print(f"skipped {reason}: {stats.skips.get(reason, 0)} (first: {example})")
     print_token_id_sources(data)
+    print(
+        f"replies cut at regen's --max-new-tokens (trained without their end-of-turn label): "
+        f"{stats.replies_cut}, in {stats.rows_with_cut_reply} of {stats.num_rows} rows"
+    )
     waste = waste_by_mode(data)
     print(
         f"padding waste: buckets {waste['buckets']:.1%}, packing {waste['packing']:.1%} "
@@ -65,6 +70,8 @@ def run_data_stats(recipe: str, overrides: list[str] | None = None) -> dict[str,
         "rows_from_token_ids": stats.rows_from_token_ids,
         "rows_not_round_trip": stats.rows_not_round_trip,
         "token_ids_fallback": stats.token_ids_fallback,
+        "replies_cut": stats.replies_cut,
+        "rows_with_cut_reply": stats.rows_with_cut_reply,
         "cache": str(data.tokenized.directory),
     }
     return result

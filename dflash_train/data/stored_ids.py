@@ -13,7 +13,8 @@ never emitted. ``regen`` therefore stores, per assistant message, the generated 
 - the row is then the template text between replies, tokenized piece by piece, with each reply's
   text replaced by its stored ids. The first piece is the first reply's prompt, so the row starts with
   exactly the ids the target saw, followed by exactly the ids it generated. The loss mask covers the
-  generated ids and the template's end-of-turn text after them, as on the text path.
+  generated ids and the template's end-of-turn text after them, as on the text path; for a reply cut
+  at the generation limit (``regen.finished`` False) the generated ids only (``data.tokenize``).
 
 A reply whose stored ids do not fit the current tokenizer and template (another ``data.thinking``
 than regen's ``--thinking``, another template, an edited reply) is tokenized from its text and the row
@@ -33,9 +34,11 @@ from dflash_train.data.skips import BadRowError
 from dflash_train.data.tokenize import (
     TemplateError,
     assistant_char_spans,
+    label_spans,
     render,
     template_kwargs,
     tokenize_chat,
+    turn_closing_text,
 )
 
 # Why a row with stored ids was tokenized from its text instead (counted, never a skip).
@@ -66,6 +69,7 @@ class TokenizedChat(NamedTuple):
     # (reason, detail) of the first reply whose stored ids could not be used (tokenized from its
     # text); a tuple, not the exception, so that it pickles from a tokenizer worker process.
     fallback: tuple[str, str] | None = None
+    num_cut_replies: int = 0  # replies cut at the generation limit, trained without their end of turn
 
 
 def has_token_ids(messages: list[dict[str, Any]]) -> bool:
@@ -78,12 +82,19 @@ def without_token_ids(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def tokenize_training_row(
-    tokenizer, messages: list[dict[str, Any]], thinking: bool | None = None
+    tokenizer,
+    messages: list[dict[str, Any]],
+    thinking: bool | None = None,
+    finished: list[bool] | None = None,
 ) -> TokenizedChat:
     """The training ids and loss mask of one row: from its stored ids where it has usable ones, else
-    from its text (``data.tokenize.tokenize_chat``). Raises ``BadRowError``."""
+    from its text (``data.tokenize.tokenize_chat``). ``finished``: one flag per assistant message
+    (``regen.finished``; False: cut at the generation limit, no end-of-turn label), None when all
+    ended on their own. Raises ``BadRowError``."""
+    num_cut = 0 if finished is None else finished.count(False)
     if not has_token_ids(messages):
-        return TokenizedChat(*tokenize_chat(tokenizer, messages, thinking), from_token_ids=False)
+        ids, mask = tokenize_chat(tokenizer, messages, thinking, finished)
+        return TokenizedChat(ids, mask, from_token_ids=False, num_cut_replies=num_cut)
     check_vocabulary(tokenizer, messages)
     clean = without_token_ids(messages)
     try:
@@ -91,16 +102,16 @@ def tokenize_training_row(
             raise StoredIdsMismatch(
                 "template_mismatch", "placing stored ids needs a fast tokenizer (offsets)"
             )
-        ids, mask, mismatch = tokenize_with_stored_ids(tokenizer, messages, clean, template_kwargs(thinking))
+        kwargs = template_kwargs(thinking)
+        ids, mask, mismatch = tokenize_with_stored_ids(tokenizer, messages, clean, kwargs, finished)
     except StoredIdsMismatch as err:
         ids, mismatch = None, err
     fallback = (mismatch.reason, mismatch.detail) if mismatch is not None else None
     if ids is None:  # no reply could use its ids: exactly the text path
-        return TokenizedChat(
-            *tokenize_chat(tokenizer, clean, thinking), from_token_ids=False, fallback=fallback
-        )
+        ids, mask = tokenize_chat(tokenizer, clean, thinking, finished)
+        return TokenizedChat(ids, mask, from_token_ids=False, fallback=fallback, num_cut_replies=num_cut)
     ids, mask = np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool)
-    return TokenizedChat(ids, mask, from_token_ids=True, fallback=fallback)
+    return TokenizedChat(ids, mask, from_token_ids=True, fallback=fallback, num_cut_replies=num_cut)
 
 
 def check_vocabulary(tokenizer, messages: list[dict[str, Any]]) -> None:
@@ -119,15 +130,20 @@ def check_vocabulary(tokenizer, messages: list[dict[str, Any]]) -> None:
 
 
 def tokenize_with_stored_ids(
-    tokenizer, messages, clean, kwargs
+    tokenizer, messages, clean, kwargs, finished: list[bool] | None = None
 ) -> tuple[list[int] | None, list[bool] | None, StoredIdsMismatch | None]:
     """Template text piece by piece with each stored reply that fits spliced in, and the first reply
     that does not (it stays text, like a reply without ids); (None, None, mismatch) when none fits.
 
     Per reply, not per row: a Qwen3-style template rewrites history turns (drops their think block),
-    so in a multi-turn row an earlier reply may not fit where the last one does."""
+    so in a multi-turn row an earlier reply may not fit where the last one does. The text after a
+    reply is labelled where it lies in its response span; the span of a reply cut at the generation
+    limit (``finished`` False) ends with its content, so its end of turn is no label."""
     try:
         full, spans = assistant_char_spans(tokenizer, clean, kwargs)
+        labels = spans
+        if finished is not None and not all(finished):
+            labels = label_spans(full, spans, finished, turn_closing_text(tokenizer, kwargs))
     except TemplateError as err:  # the text path (generation markers) may still give a mask
         raise StoredIdsMismatch("template_mismatch", str(err)) from err
     turns = [i for i, m in enumerate(clean) if m["role"] == "assistant"]
@@ -142,13 +158,13 @@ def tokenize_with_stored_ids(
         except StoredIdsMismatch as mismatch:
             first_mismatch = first_mismatch or mismatch
             continue
-        append_text(tokenizer, full, cursor, start, spans, ids, mask)
+        append_text(tokenizer, full, cursor, start, labels, ids, mask)
         ids += messages[i]["token_ids"]
         mask += [True] * len(messages[i]["token_ids"])
         cursor, num_spliced = end, num_spliced + 1
     if not num_spliced:
         return None, None, first_mismatch
-    append_text(tokenizer, full, cursor, len(full), spans, ids, mask)
+    append_text(tokenizer, full, cursor, len(full), labels, ids, mask)
     return ids, mask, first_mismatch
 
 

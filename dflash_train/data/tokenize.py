@@ -17,6 +17,12 @@ from prefix renderings: for assistant turn i,
   differently from history turns (an empty ``<think></think>`` stub).
 Characters map to tokens through the fast tokenizer's offsets: a token is a response token when
 it starts inside a response span.
+
+A reply that ``regen`` cut at ``--max-new-tokens`` (``finished`` False, from the row's
+``regen.finished``) did not end there: the target would have continued. Its turn-closing text, which
+the template writes after every assistant message, is therefore no label (the drafter must not learn
+that the turn ends where the limit fell); only the reply's own content is. On either path the
+response span of such a turn ends before the closing text (``label_spans``).
 """
 
 from __future__ import annotations
@@ -59,14 +65,21 @@ def check_tokenizer(tokenizer) -> None:
 
 
 def tokenize_chat(
-    tokenizer, messages: list[dict[str, Any]], thinking: bool | None = None
+    tokenizer,
+    messages: list[dict[str, Any]],
+    thinking: bool | None = None,
+    finished: list[bool] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(ids int32 [L], loss_mask bool [L]) of one conversation; raises ``BadRowError``."""
+    """(ids int32 [L], loss_mask bool [L]) of one conversation; raises ``BadRowError``.
+
+    ``finished``: one flag per assistant message, in order (``regen.finished``, checked by
+    ``data.readers.reply_finished``); a message flagged False was cut at the generation limit and
+    its turn-closing tokens get no label. None: every reply ended on its own."""
     kwargs = template_kwargs(thinking)
     if has_generation_markers(tokenizer):
-        ids, mask = tokenize_with_markers(tokenizer, messages, kwargs)
+        ids, mask = tokenize_with_markers(tokenizer, messages, kwargs, finished)
     else:
-        ids, mask = tokenize_with_prefixes(tokenizer, messages, kwargs)
+        ids, mask = tokenize_with_prefixes(tokenizer, messages, kwargs, finished)
     return np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool)
 
 
@@ -79,24 +92,100 @@ def render(tokenizer, messages: list[dict[str, Any]], kwargs: dict, generation_p
         raise BadRowError("template_error", f"chat template failed: {type(err).__name__}: {err}") from err
 
 
-def tokenize_with_markers(tokenizer, messages, kwargs) -> tuple[list[int], list[int]]:
+def tokenize_with_markers(tokenizer, messages, kwargs, finished=None) -> tuple[list[int], list[int]]:
     try:
         out = tokenizer.apply_chat_template(
             messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **kwargs
         )
     except Exception as err:  # same as render(): the template is user code
         raise BadRowError("template_error", f"chat template failed: {type(err).__name__}: {err}") from err
-    return out["input_ids"], out["assistant_masks"]
+    ids, mask = out["input_ids"], out["assistant_masks"]
+    if finished is None or all(finished):
+        return ids, mask
+    return ids, unlabel_cut_turn_ends(tokenizer, messages, kwargs, ids, mask, finished)
 
 
-def tokenize_with_prefixes(tokenizer, messages, kwargs) -> tuple[list[int], list[bool]]:
+def unlabel_cut_turn_ends(tokenizer, messages, kwargs, ids, mask, finished: list[bool]) -> list[bool]:
+    """The markers' mask with the turn-closing tokens of cut replies unlabelled. The generation
+    blocks are the mask's runs of tokens (one per assistant message, in order); their characters come
+    from the fast tokenizer's offsets of the same rendering (``apply_chat_template`` tokenizes it
+    without added special tokens, as here)."""
+    full = render(tokenizer, messages, kwargs)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    runs = mask_runs(np.asarray(mask, dtype=bool))
+    if enc["input_ids"] != list(ids):
+        raise TemplateError(
+            "apply_chat_template tokenized the conversation otherwise than its rendered text, so the "
+            "end of turn of a reply cut at the generation limit (regen.finished false) cannot be placed; "
+            "remove regen.finished from the rows to train the cut replies with their end-of-turn label."
+        )
+    if len(runs) != len(finished):
+        raise TemplateError(
+            f"the chat template's {{% generation %}} blocks ({len(runs)} labelled runs of tokens) do not "
+            f"match the {len(finished)} assistant messages one to one, so the end of turn of a reply cut "
+            "at the generation limit (regen.finished false) cannot be found. Mark each assistant message "
+            "with one generation block, or remove regen.finished from the rows (the cut replies then "
+            "train with their end-of-turn label)."
+        )
+    offsets = enc["offset_mapping"]
+    spans = [(offsets[lo][0], offsets[hi - 1][1]) for lo, hi in runs]
+    starts = np.asarray([start for start, _ in offsets], dtype=np.int64)
+    closing = turn_closing_text(tokenizer, kwargs)
+    return spans_to_mask(starts, label_spans(full, spans, finished, closing)).tolist()
+
+
+def mask_runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """[lo, hi) token ranges of the runs of True in ``mask``."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+
+
+def tokenize_with_prefixes(tokenizer, messages, kwargs, finished=None) -> tuple[list[int], list[bool]]:
     text, spans = assistant_char_spans(tokenizer, messages, kwargs)
+    if finished is not None and not all(finished):
+        spans = label_spans(text, spans, finished, turn_closing_text(tokenizer, kwargs))
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     starts = np.asarray([start for start, _ in enc["offset_mapping"]], dtype=np.int64)
+    return enc["input_ids"], spans_to_mask(starts, spans).tolist()
+
+
+def spans_to_mask(starts: np.ndarray, spans) -> np.ndarray:
+    """A token is a loss token when its first character (``starts``) is inside one of ``spans``."""
     mask = np.zeros(len(starts), dtype=bool)
     for lo, hi in spans:
         mask |= (starts >= lo) & (starts < hi)
-    return enc["input_ids"], mask.tolist()
+    return mask
+
+
+def label_spans(
+    full: str, spans: list[tuple[int, int]], finished: list[bool] | None, closing: str
+) -> list[tuple[int, int]]:
+    """The response spans (one per assistant message) whose characters are labels: a span of a reply
+    cut at the generation limit (``finished`` False) ends before its turn-closing text."""
+    if finished is None:
+        return spans
+    if len(finished) != len(spans):  # data.readers.reply_finished checked the row's own list
+        raise ValueError(f"finished has {len(finished)} flags for {len(spans)} assistant messages")
+    return [
+        (lo, hi if done else content_end(full, lo, hi, closing, turn))
+        for turn, ((lo, hi), done) in enumerate(zip(spans, finished))
+    ]
+
+
+def content_end(full: str, lo: int, hi: int, closing: str, turn: int) -> int:
+    """Where the reply's own content ends in the response span ``full[lo:hi]``: before the turn-closing
+    text at its end (trailing whitespace aside); ``hi`` for a template that closes a turn with nothing."""
+    if not closing:
+        return hi
+    text = full[lo:hi].rstrip()
+    if not text.endswith(closing):
+        raise TemplateError(
+            f"assistant turn {turn} was cut at the generation limit (regen.finished false), but its "
+            f"rendering does not end with the template's turn-closing text {closing!r} "
+            f"(it ends {text[-40:]!r}), so its end-of-turn tokens cannot be told from its content. "
+            "Remove regen.finished from the rows to train the cut replies with their end-of-turn label."
+        )
+    return lo + len(text) - len(closing)
 
 
 def assistant_char_spans(tokenizer, messages, kwargs) -> tuple[str, list[tuple[int, int]]]:
