@@ -1,4 +1,5 @@
-"""The ``dflash-train`` command line: train, demo, eval, bench, regen, synth, export, data-stats.
+"""The ``dflash-train`` command line: train, demo, eval, bench, regen, synth, export, data-stats,
+serve-check.
 
 Each subcommand's work lives in its own module and is imported only when that subcommand runs, so
 ``--help`` is instant. With ``--json`` the last line of stdout is one JSON object with the results.
@@ -112,6 +113,12 @@ def cmd_data_stats(args: argparse.Namespace) -> dict[str, Any]:
     from dflash_train.data.stats import run_data_stats
 
     return run_data_stats(args.recipe, args.overrides)
+
+
+def cmd_serve_check(args: argparse.Namespace) -> dict[str, Any]:
+    from dflash_train.eval.serve_check import ServeCheckOptions, run_serve_check
+
+    return run_serve_check(options_from_args(ServeCheckOptions, args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -331,6 +338,42 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("recipe")
     p.add_argument("overrides", nargs="*")
+
+    p = add(
+        "serve-check",
+        cmd_serve_check,
+        "Decode the export with llama.cpp's DFlash speculative decoding; engine tau next to the exact eval's.",
+    )
+    p.add_argument(
+        "--target", required=True, help="target GGUF file, or an HF directory (converted to f32 GGUF)"
+    )
+    p.add_argument(
+        "--target-hf", default="", help="HF directory of the same weights (exact eval; default: --target)"
+    )
+    p.add_argument("--drafter", required=True, help="exported drafter directory or training checkpoint")
+    p.add_argument(
+        "--prompts", required=True, nargs="+", help="JSONL prompt files (chat rows or {'prompt': ...})"
+    )
+    p.add_argument("--num-prompts", type=int, default=8, help="the first N prompts of each file")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument(
+        "--ngram-types",
+        nargs="*",
+        default=["ngram-simple", "ngram-mod"],
+        help="llama.cpp n-gram types to run too",
+    )
+    p.add_argument(
+        "--llama-server", default="", help="llama-server binary (default: $DFLASH_LLAMA_SERVER, PATH)"
+    )
+    p.add_argument(
+        "--llama-convert", default="", help="llama.cpp's convert_hf_to_gguf.py ($DFLASH_LLAMA_CONVERT)"
+    )
+    p.add_argument("--workdir", default="", help="keep the GGUF files, server logs and serve_check.json here")
+    p.add_argument("--threads", type=int, default=2, help="llama-server --threads")
+    p.add_argument("--ctx-size", type=int, default=4096, help="llama-server --ctx-size")
+    p.add_argument("--startup-timeout-s", type=float, default=300.0)
+    p.add_argument("--request-timeout-s", type=float, default=600.0)
+    p.add_argument("--device", default="cpu", help="device of the exact eval (fp32)")
     return parser
 
 

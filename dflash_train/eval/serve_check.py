@@ -1,0 +1,371 @@
+"""``dflash-train serve-check``: the export decoded by a real engine (llama.cpp), next to the exact eval.
+
+The export is converted with llama.cpp's own ``convert_hf_to_gguf.py --target-model-dir``, and
+``llama-server`` decodes the prompts greedily (OpenAI chat API, temperature 0) four ways: plainly,
+with the drafter (``--spec-type draft-dflash --spec-draft-n-max B-1``) and with the engine's n-gram
+prompt lookup (``ngram-simple``, ``ngram-mod``). The engine's tau (from ``draft_n`` /
+``draft_n_accepted``) is printed next to the project's exact tau on the same prompts and target
+weights (the HF directory the GGUF was made from, or dequantized from), and every speculative run's
+output is compared with the plain run's (an engine must be lossless at temperature 0).
+
+What makes the numbers comparable, and what does not: the engine renders the prompt with the GGUF's
+chat template (checked token for token against the HF tokenizer's rendering), and a quantized GGUF
+computes the target in its own precision, so its greedy text may leave the fp32 one after a while
+(``engine_greedy_equals_eval``); the rounds then differ, not the drafter. Converting the HF
+directory itself (``--target DIR``, f32) removes that difference.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_train.eval import llama_cpp
+from dflash_train.eval.prompts import (
+    PromptFile,
+    PromptRowError,
+    encode_prompt,
+    prompt_messages,
+    read_jsonl_rows,
+)
+from dflash_train.eval.summary import ratio, summarize_rounds
+
+NGRAM_TYPES = ("ngram-simple", "ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache")
+SERVER_FLAGS = ("-m", "-md", "--spec-type", "--spec-draft-n-max", "--spec-draft-p-min", "--jinja")
+SERVER_FLAGS += ("--ctx-size", "--threads", "--parallel", "--host", "--port")
+# The engine's acceptance counts as far from the eval's below this fraction of it (docs/training.md).
+FAR_FRACTION = 0.5
+
+
+@dataclass(kw_only=True)
+class ServeCheckOptions:
+    """Options of one ``serve-check`` run, field by field."""
+
+    # A target GGUF file (e.g. a quantized release), or an HF target directory converted to f32 GGUF.
+    target: str
+    # The HF directory of the same weights: the exact eval's target and the converter's
+    # --target-model-dir (tokenizer, embedding). Defaults to --target when that is a directory.
+    target_hf: str = ""
+    # Exported drafter directory (config.json + model.safetensors), or a checkpoint / run directory.
+    drafter: str
+    # JSONL prompt files (chat rows or {"prompt": ...}); the first num_prompts of each are used.
+    prompts: list[str] = field(default_factory=list)
+    num_prompts: int = 8
+    max_new_tokens: int = 64
+    # The engine's n-gram speculative types run on the same prompts (empty = none).
+    ngram_types: list[str] = field(default_factory=lambda: ["ngram-simple", "ngram-mod"])
+    llama_server: str = ""  # default: $DFLASH_LLAMA_SERVER, then llama-server on PATH
+    llama_convert: str = ""  # default: $DFLASH_LLAMA_CONVERT
+    # Where the GGUF files, server logs and serve_check.json go (default: a temporary directory).
+    workdir: str = ""
+    threads: int = 2
+    ctx_size: int = 4096
+    startup_timeout_s: float = 300.0
+    request_timeout_s: float = 600.0
+    device: str = "cpu"  # the exact eval's device (fp32)
+
+    def __post_init__(self) -> None:
+        if not self.prompts:
+            raise ValueError("no prompt files: give --prompts FILE [FILE ...]")
+        if not self.target_hf:
+            if not Path(self.target).is_dir():
+                raise ValueError(
+                    f"--target {self.target!r} is a GGUF file: also give --target-hf, the HF directory of the "
+                    "same weights (the exact eval's target and the converter's --target-model-dir)"
+                )
+            self.target_hf = self.target
+        if not (Path(self.target_hf) / "config.json").is_file():
+            raise ValueError(f"--target-hf {self.target_hf!r} is not an HF model directory (no config.json)")
+        if not Path(self.target).is_dir() and not (
+            Path(self.target).is_file() and self.target.endswith(".gguf")
+        ):
+            raise ValueError(f"--target {self.target!r}: give a .gguf file or an HF model directory")
+        unknown = [t for t in self.ngram_types if t not in NGRAM_TYPES]
+        if unknown:
+            raise ValueError(f"--ngram-types {unknown}: use llama.cpp's n-gram types {list(NGRAM_TYPES)}")
+        for name in ("num_prompts", "max_new_tokens", "threads", "ctx_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)}: use >= 1")
+
+
+@dataclass
+class ServePrompt:
+    """One prompt as the engine gets it (chat messages) and as the eval does (token ids)."""
+
+    where: str
+    messages: list[dict[str, str]]
+    ids: list[int]
+
+
+def run_serve_check(options: ServeCheckOptions) -> dict[str, Any]:
+    """Convert, serve, decode and compare; returns the flat result (also ``WORKDIR/serve_check.json``)."""
+    server = llama_cpp.find_llama_server(options.llama_server)
+    converter = llama_cpp.find_converter(options.llama_convert)
+    llama_cpp.check_server_supports(
+        llama_cpp.server_help(server), SERVER_FLAGS, ["draft-dflash", *options.ngram_types]
+    )
+    with tempfile.TemporaryDirectory(prefix="dflash-serve-check-") as scratch:
+        workdir = Path(options.workdir or scratch)
+        workdir.mkdir(parents=True, exist_ok=True)
+        export = exported_drafter(options.drafter, workdir)
+        block_size = export_block_size(export)
+        target_gguf = target_gguf_file(options, converter, workdir)
+        draft_gguf = llama_cpp.convert_to_gguf(
+            converter, export, workdir / "draft-f32.gguf", target_model_dir=options.target_hf
+        )
+        eval_side = exact_eval(options, export)
+        prompts = eval_side.pop("prompts")
+        runs = engine_runs(options, server, target_gguf, draft_gguf, block_size, prompts, workdir)
+        result = compare(options, block_size, prompts, runs, eval_side)
+        result.update(target_gguf=str(target_gguf), draft_gguf=str(draft_gguf), workdir=str(workdir))
+        if options.workdir:
+            (workdir / "serve_check.json").write_text(json.dumps(result, indent=2, default=str))
+    print_table(result)
+    return result
+
+
+def exported_drafter(path: str, workdir: Path) -> Path:
+    """The serving directory itself, or a training checkpoint / run directory exported (fp32) first."""
+    from dflash_train.models.export import export_checkpoint
+
+    if (Path(path) / "config.json").is_file():
+        return Path(path)
+    export_checkpoint(path, workdir / "export", dtype="float32")
+    return workdir / "export"
+
+
+def export_block_size(export: Path) -> int:
+    """The block size llama.cpp reads: ``dflash_config.block_size``, else top-level ``block_size``."""
+    config = json.loads((export / "config.json").read_text())
+    block_size = (config.get("dflash_config") or {}).get("block_size", config.get("block_size"))
+    if not isinstance(block_size, int) or block_size < 2:
+        raise ValueError(
+            f"{export}/config.json has no usable block_size ({block_size!r}): re-export the drafter"
+        )
+    return block_size
+
+
+def target_gguf_file(options: ServeCheckOptions, converter: Path, workdir: Path) -> Path:
+    if not Path(options.target).is_dir():
+        return Path(options.target)
+    return llama_cpp.convert_to_gguf(converter, options.target, workdir / "target-f32.gguf")
+
+
+def load_serve_prompts(paths: Sequence[str], tokenizer, num_prompts: int) -> list[list[ServePrompt]]:
+    """The first ``num_prompts`` rows of each file, as chat messages and as the eval's token ids.
+
+    A bad row raises with ``file:line`` (no skipping: the two sides must see the same prompts).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("serve-check sends chat messages: the target's tokenizer needs a chat template")
+    files = []
+    for path in paths:
+        if not Path(path).is_file():
+            raise ValueError(f"prompts file {path} does not exist: give JSONL files to --prompts")
+        prompts = []
+        for line_number, row, error in read_jsonl_rows(path):
+            where = f"{path}:{line_number}"
+            if error is not None:
+                raise ValueError(f"{where}: bad prompt row ({error[0]}): {error[1]}")
+            try:
+                messages = row_messages(row, where)
+                ids = encode_prompt(tokenizer, row, None, where=where)
+            except PromptRowError as err:
+                raise ValueError(f"{err}. Fix or remove the row.") from None
+            prompts.append(ServePrompt(where, messages, ids))
+            if len(prompts) >= num_prompts:
+                break
+        if not prompts:
+            raise ValueError(f"{path} has no prompts")
+        files.append(prompts)
+    return files
+
+
+def row_messages(row: dict[str, Any], where: str) -> list[dict[str, str]]:
+    """The turns the engine gets: a ``prompt`` string as one user turn, else the chat up to its last
+    user turn (what ``encode_prompt`` renders)."""
+    if isinstance(row.get("prompt"), str):
+        return [{"role": "user", "content": row["prompt"]}]
+    return [{"role": m["role"], "content": m["content"]} for m in prompt_messages(row, where)]
+
+
+def exact_eval(options: ServeCheckOptions, export: Path) -> dict[str, Any]:
+    """The project's exact eval (fp32) on the same prompts: DFlash and n-gram generations, and the
+    prompts themselves."""
+    from dflash_train.eval.command import check_drafter_fits, load_eval_drafter, load_eval_target, measure
+    from dflash_train.eval.options import EvalOptions
+
+    device = torch.device(options.device)
+    target_model, tokenizer = load_eval_target(options.target_hf, torch.float32, device)
+    drafter = load_eval_drafter(str(export), device, torch.float32)
+    frozen = check_drafter_fits(drafter.config, target_model, tokenizer)
+    prompt_files = load_serve_prompts(options.prompts, tokenizer, options.num_prompts)
+    files = [PromptFile(path, [p.ids for p in ps]) for path, ps in zip(options.prompts, prompt_files)]
+    eval_options = EvalOptions(
+        target=options.target_hf, drafter=str(export), prompts=list(options.prompts),
+        max_new_tokens=options.max_new_tokens, baseline="ngram", dtype="float32",
+        device=options.device, progress=False,
+    )  # fmt: skip
+    generations = measure(target_model, frozen, tokenizer, drafter, files, eval_options)["generations"]
+    return {
+        "prompts": [p for ps in prompt_files for p in ps],
+        "dflash": generations["dflash"],
+        "ngram": generations["ngram"],
+        "greedy_texts": [tokenizer.decode(g.tokens, skip_special_tokens=True) for g in generations["dflash"]],
+    }
+
+
+def engine_runs(
+    options: ServeCheckOptions, server: Path, target_gguf: Path, draft_gguf: Path, block_size: int,
+    prompts: Sequence[ServePrompt], workdir: Path,
+) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Per engine run (plain, draft-dflash, each n-gram type): its completions; the plain run also
+    reads the engine's prompt tokens."""
+    common = ["-m", str(target_gguf), "--jinja", "--ctx-size", str(options.ctx_size)]
+    common += ["--threads", str(options.threads), "--parallel", "1"]
+    dflash = ["-md", str(draft_gguf), "--spec-type", "draft-dflash"]
+    dflash += ["--spec-draft-n-max", str(block_size - 1), "--spec-draft-p-min", "0"]
+    configurations = {
+        "plain": [],
+        "draft-dflash": dflash,
+        **{t: ["--spec-type", t] for t in options.ngram_types},
+    }
+    runs = {}
+    for name, extra in configurations.items():
+        print(f"serve-check: llama-server {name} on {len(prompts)} prompts", file=sys.stderr)
+        log = workdir / f"llama-server-{name}.log"
+        with llama_cpp.LlamaServer(server, [*common, *extra], log, options.startup_timeout_s) as running:
+            completions = [
+                llama_cpp.chat_completion(
+                    running, p.messages, options.max_new_tokens, options.request_timeout_s
+                )
+                for p in prompts
+            ]
+            tokens = (
+                [llama_cpp.prompt_token_ids(running, p.messages, options.request_timeout_s) for p in prompts]
+                if name == "plain"
+                else None
+            )
+        runs[name] = {"completions": completions, "prompt_tokens": tokens, "command": running.command}
+    return runs
+
+
+def engine_numbers(completions: Sequence[llama_cpp.Completion]) -> dict[str, Any]:
+    """tau (per request, then the mean over requests with a round, as the eval reports it),
+    drafted / accepted tokens, tokens per second."""
+    taus = [c.tau for c in completions if c.tau is not None]
+    drafted = sum(c.draft_n for c in completions)
+    accepted = sum(c.draft_n_accepted for c in completions)
+    tokens = sum(c.completion_tokens for c in completions)
+    return {
+        "tau": sum(taus) / len(taus) if taus else None,
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance_rate": ratio(accepted, drafted),
+        "tokens": tokens,
+        "tokens_per_s": ratio(tokens, sum(c.predicted_ms for c in completions) / 1000),
+        "per_request_accepted": [c.draft_n_accepted for c in completions],
+    }
+
+
+def eval_numbers(generations, block_size: int) -> dict[str, Any]:
+    drafted = sum(sum(g.num_drafted) for g in generations)
+    accepted = sum(sum(g.num_accepted) for g in generations)
+    return {
+        "tau": summarize_rounds(generations, block_size)["tau"],
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance_rate": ratio(accepted, drafted),
+        "tokens": sum(len(g.tokens) for g in generations),
+        "per_request_accepted": [sum(g.num_accepted) for g in generations],
+    }
+
+
+def compare(
+    options: ServeCheckOptions, block_size: int, prompts: Sequence[ServePrompt], runs: dict, eval_side: dict
+) -> dict[str, Any]:
+    """The flat result: engine vs eval tau and acceptance, lossless checks, prompt-token agreement."""
+    plain = [c.text for c in runs["plain"]["completions"]]
+    engine = {name: engine_numbers(run["completions"]) for name, run in runs.items() if name != "plain"}
+    for name, numbers in engine.items():
+        numbers["same_as_plain"] = sum(c.text == t for c, t in zip(runs[name]["completions"], plain))
+    server_tokens = runs["plain"]["prompt_tokens"]
+    prompt_counts = [c.prompt_tokens for c in runs["plain"]["completions"]]
+    same_prompt = [t == p.ids and n == len(p.ids) for t, n, p in zip(server_tokens, prompt_counts, prompts)]
+    dflash_eval = eval_numbers(eval_side["dflash"], block_size)
+    dflash_engine = engine["draft-dflash"]
+    far = (
+        dflash_eval["accepted"] > 0
+        and dflash_engine["acceptance_rate"] < FAR_FRACTION * dflash_eval["acceptance_rate"]
+    )
+    return {
+        "num_prompts": len(prompts),
+        "max_new_tokens": options.max_new_tokens,
+        "block_size": block_size,
+        "engine_tau": dflash_engine["tau"],
+        "eval_tau": dflash_eval["tau"],
+        "engine_acceptance_rate": dflash_engine["acceptance_rate"],
+        "eval_acceptance_rate": dflash_eval["acceptance_rate"],
+        "engine_far_from_eval": far,
+        "engine_lossless": {name: f"{n['same_as_plain']}/{len(prompts)}" for name, n in engine.items()},
+        "engine_greedy_equals_eval": f"{sum(a == b for a, b in zip(plain, eval_side['greedy_texts']))}/{len(prompts)}",
+        "prompt_tokens_equal": f"{sum(same_prompt)}/{len(prompts)}",
+        "eval_ngram_tau": eval_numbers(eval_side["ngram"], block_size)["tau"],
+        **{
+            f"engine_{name.replace('-', '_')}_tau": n["tau"]
+            for name, n in engine.items()
+            if name != "draft-dflash"
+        },
+        "engine_tokens_per_s": {
+            "plain": engine_numbers(runs["plain"]["completions"])["tokens_per_s"],
+            **{name: n["tokens_per_s"] for name, n in engine.items()},
+        },
+        "engine": engine,
+        "eval": {"dflash": dflash_eval},
+        "prompts_differing": [p.where for p, same in zip(prompts, same_prompt) if not same],
+        "engine_commands": {name: " ".join(run["command"]) for name, run in runs.items()},
+    }
+
+
+def print_table(result: dict[str, Any]) -> None:
+    """The engine's numbers next to the eval's, one line per decoding, on stderr."""
+    n = result["num_prompts"]
+    lines = [
+        "",
+        f"serve-check: {n} prompts x {result['max_new_tokens']} tokens, block {result['block_size']}",
+        f"{'decoding':<14}  {'engine tau':>10}  {'eval tau':>8}  {'accepted/drafted':>18}  {'lossless':>8}  {'tok/s':>7}",
+    ]
+    for name, numbers in result["engine"].items():
+        eval_tau = result["eval_tau"] if name == "draft-dflash" else None
+        counts = f"{numbers['accepted']}/{numbers['drafted']}"
+        lines.append(
+            f"{name:<14}  {_fmt(numbers['tau']):>10}  {_fmt(eval_tau):>8}  {counts:>18}  "
+            f"{numbers['same_as_plain']}/{n:<6}  {numbers['tokens_per_s']:>7.1f}"
+        )
+    eval_dflash = result["eval"]["dflash"]
+    lines.append(
+        f"{'eval dflash':<14}  {'':>10}  {_fmt(result['eval_tau']):>8}  "
+        f"{eval_dflash['accepted']}/{eval_dflash['drafted']:<10}"
+    )
+    lines.append(f"{'eval ngram':<14}  {'':>10}  {_fmt(result['eval_ngram_tau']):>8}")
+    lines.append(
+        f"plain engine greedy == eval greedy: {result['engine_greedy_equals_eval']}; "
+        f"prompt tokens equal: {result['prompt_tokens_equal']}"
+    )
+    if result["engine_far_from_eval"]:
+        lines.append(
+            "WARNING: the engine accepts far fewer drafts than the eval: check the export's "
+            "target_layer_ids, norms and mask token against what llama.cpp reads (docs/training.md)"
+        )
+    print("\n".join(lines), file=sys.stderr)
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"

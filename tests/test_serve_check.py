@@ -1,0 +1,282 @@
+"""``dflash-train serve-check``: the export decoded by llama.cpp next to the exact eval.
+
+Offline, a stand-in ``llama-server`` (a small HTTP server speaking the routes and ``timings`` fields
+llama.cpp's server answers with) and a stand-in converter check the wiring: the flags each run gets,
+the tau read from ``draft_n_accepted``, the lossless comparison with the plain run, and that every
+server is stopped, also on error. With a real llama.cpp build (``DFLASH_LLAMA_SERVER``,
+``DFLASH_LLAMA_CONVERT``) and the real target (``DFLASH_REAL_TARGET``), a drafter trained for a few
+steps is served and its acceptance compared with the eval's:
+
+    DFLASH_LLAMA_SERVER=.../build/bin/llama-server DFLASH_LLAMA_CONVERT=.../convert_hf_to_gguf.py \\
+    DFLASH_REAL_TARGET=/work/smollm2-hf pytest -m real tests/test_serve_check.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_train.eval import llama_cpp
+from dflash_train.eval.serve_check import ServeCheckOptions, run_serve_check
+
+BLOCK = 4
+LAYER_IDS = [0, 2]
+MAX_NEW_TOKENS = 9
+
+pytestmark = pytest.mark.usefixtures("one_thread_module")
+
+FAKE_HELP = """-m, --model FNAME  -md, --spec-draft-model FNAME  --spec-type [none|draft-dflash|ngram-simple|ngram-mod]
+--spec-draft-n-max N  --spec-draft-p-min P  --jinja, --no-jinja  -c, --ctx-size N  -t, --threads N
+-np, --parallel N  --host HOST  --port PORT"""
+
+# Speaks the llama-server routes serve-check uses. Per --spec-type: accepted drafts per request and
+# the text it answers; FAIL_CHAT / FAIL_START make it answer 500 / exit while loading.
+FAKE_SERVER = """
+import http.server, json, os, sys
+args = sys.argv[1:]
+if "--help" in args:
+    print(os.environ["FAKE_HELP"]); sys.exit(0)
+spec = args[args.index("--spec-type") + 1] if "--spec-type" in args else "plain"
+record = os.environ["FAKE_RECORD"]
+with open(os.path.join(record, spec + ".json"), "w") as f:
+    json.dump({"argv": args, "pid": os.getpid()}, f)
+if os.environ.get("FAKE_FAIL_START") == spec:
+    print("error: failed to load the draft model"); sys.exit(3)
+accepted = {"plain": 0, "draft-dflash": 4, "ngram-simple": 2, "ngram-mod": 0}[spec]
+text = "a changed reply" if spec == "ngram-mod" else "the same reply"
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def answer(self, code, body):
+        data = json.dumps(body).encode()
+        self.send_response(code); self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data))); self.end_headers(); self.wfile.write(data)
+    def do_GET(self):
+        self.answer(200, {"status": "ok"})
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path == "/apply-template":
+            return self.answer(200, {"prompt": "rendered"})
+        if self.path == "/tokenize":
+            return self.answer(200, {"tokens": [5, 6, 7]})
+        if os.environ.get("FAKE_FAIL_CHAT") == spec:
+            return self.answer(500, {"error": {"message": "decode failed"}})
+        n = body["max_tokens"]
+        timings = {"predicted_n": n, "predicted_ms": 10.0}
+        if spec != "plain":
+            timings.update(draft_n=3 * (n - 1 - accepted), draft_n_accepted=accepted)
+        self.answer(200, {"choices": [{"message": {"role": "assistant", "content": text},
+                                       "finish_reason": "length"}],
+                          "usage": {"prompt_tokens": 3, "completion_tokens": n}, "timings": timings})
+
+http.server.ThreadingHTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), Handler).serve_forever()
+"""
+
+FAKE_CONVERTER = """
+import json, os, sys
+args = sys.argv[1:]
+out = args[args.index("--outfile") + 1]
+open(out, "wb").write(b"GGUF")
+with open(os.path.join(os.environ["FAKE_RECORD"], "convert-" + os.path.basename(out) + ".json"), "w") as f:
+    json.dump(args, f)
+"""
+
+
+@pytest.fixture
+def fake_llama(tmp_path, monkeypatch):
+    """A stand-in llama-server binary and converter; what they were called with lands in ``record``."""
+    record = tmp_path / "record"
+    record.mkdir()
+    server = tmp_path / "llama-server"
+    server.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
+    server.chmod(0o755)
+    converter = tmp_path / "convert_hf_to_gguf.py"
+    converter.write_text(FAKE_CONVERTER)
+    monkeypatch.setenv("FAKE_RECORD", str(record))
+    monkeypatch.setenv("FAKE_HELP", FAKE_HELP)
+    return {"server": str(server), "converter": str(converter), "record": record}
+
+
+@pytest.fixture
+def tiny_export(tiny_qwen3_dir, tmp_path):
+    """A random tiny drafter exported for the tiny Qwen3 target, and a prompt file of two chat rows."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dflash_train.config import DrafterConfig
+    from dflash_train.models import presets
+    from dflash_train.models.drafter import DFlashDrafter
+    from dflash_train.models.export import save_drafter
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    config = presets.resolve_drafter_config(
+        DrafterConfig(preset="tiny", block_size=BLOCK),
+        AutoConfig.from_pretrained(tiny_qwen3_dir),
+        target_layer_ids=LAYER_IDS,
+        mask_token_id=tokenizer.mask_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(0)
+    save_drafter(DFlashDrafter(config).eval(), config, tmp_path / "export", dtype="float32")
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": "def add(a, b):"}, {"role": "assistant", "content": "x"}]},
+        {"prompt": "the quick brown fox"},
+    ]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"target": str(tiny_qwen3_dir), "export": str(tmp_path / "export"), "prompts": str(prompts)}
+
+
+def fake_options(fake_llama, tiny_export, tmp_path, **extra) -> ServeCheckOptions:
+    return ServeCheckOptions(
+        target=tiny_export["target"], drafter=tiny_export["export"], prompts=[tiny_export["prompts"]],
+        max_new_tokens=MAX_NEW_TOKENS, llama_server=fake_llama["server"],
+        llama_convert=fake_llama["converter"], workdir=str(tmp_path / "work"), startup_timeout_s=60, **extra,
+    )  # fmt: skip
+
+
+def servers_started(record: Path) -> dict[str, dict]:
+    return {
+        p.stem: json.loads(p.read_text()) for p in record.glob("*.json") if not p.stem.startswith("convert")
+    }
+
+
+def assert_stopped(pid: int) -> None:
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_serve_check_reads_the_engine_and_compares_it_with_the_eval(fake_llama, tiny_export, tmp_path):
+    result = run_serve_check(fake_options(fake_llama, tiny_export, tmp_path))
+    started = servers_started(fake_llama["record"])
+    assert set(started) == {"plain", "draft-dflash", "ngram-simple", "ngram-mod"}
+    work = tmp_path / "work"
+    dflash = started["draft-dflash"]["argv"]
+    assert dflash[dflash.index("--spec-draft-n-max") + 1] == str(BLOCK - 1)
+    assert dflash[dflash.index("-md") + 1] == str(work / "draft-f32.gguf")
+    assert dflash[dflash.index("-m") + 1] == str(work / "target-f32.gguf")  # the HF target, converted
+    assert dflash[dflash.index("--host") + 1] == "127.0.0.1" and "--jinja" in dflash
+    assert "-md" not in started["plain"]["argv"] and "--spec-type" not in started["plain"]["argv"]
+    convert = json.loads((fake_llama["record"] / "convert-draft-f32.gguf.json").read_text())
+    assert convert[convert.index("--target-model-dir") + 1] == tiny_export["target"]
+    assert convert[0] == tiny_export["export"] and convert[convert.index("--outtype") + 1] == "f32"
+    for server in started.values():
+        assert_stopped(server["pid"])
+    # 9 tokens, 4 accepted: the first from prefill, then 4 rounds emit the other 8 -> tau 2.
+    assert result["engine_tau"] == pytest.approx(2.0)
+    assert result["engine_ngram_simple_tau"] == pytest.approx(8 / 6)
+    assert result["engine"]["draft-dflash"]["accepted"] == 2 * 4 and result["num_prompts"] == 2
+    assert result["engine_lossless"] == {"draft-dflash": "2/2", "ngram-simple": "2/2", "ngram-mod": "0/2"}
+    assert result["prompt_tokens_equal"] == "0/2"  # the stand-in renders other tokens than the HF tokenizer
+    assert 1.0 <= result["eval_tau"] <= BLOCK and result["eval_ngram_tau"] >= 1.0
+    assert json.loads((work / "serve_check.json").read_text())["engine_tau"] == result["engine_tau"]
+
+
+def test_a_server_is_stopped_when_a_request_fails(fake_llama, tiny_export, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_FAIL_CHAT", "draft-dflash")
+    with pytest.raises(
+        llama_cpp.LlamaCppError, match="(?s)answered 500 to /v1/chat/completions.*decode failed"
+    ):
+        run_serve_check(fake_options(fake_llama, tiny_export, tmp_path, ngram_types=[]))
+    started = servers_started(fake_llama["record"])
+    assert set(started) == {"plain", "draft-dflash"}
+    for server in started.values():
+        assert_stopped(server["pid"])
+
+
+def test_a_server_that_dies_while_loading_shows_its_log(fake_llama, tiny_export, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_FAIL_START", "draft-dflash")
+    with pytest.raises(
+        llama_cpp.LlamaCppError, match="(?s)exited with 3 while loading.*failed to load the draft"
+    ):
+        run_serve_check(fake_options(fake_llama, tiny_export, tmp_path, ngram_types=[]))
+
+
+def test_missing_llama_cpp_says_how_to_build_it(tiny_export, tmp_path, monkeypatch, capsys):
+    from dflash_train.cli import main
+
+    monkeypatch.delenv(llama_cpp.SERVER_ENV, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no llama-server on it
+    args = ["serve-check", "--target", tiny_export["target"], "--drafter", tiny_export["export"]]
+    assert main([*args, "--prompts", tiny_export["prompts"]]) == 1
+    err = capsys.readouterr().err
+    assert "llama-server not found" in err and "ninja -C DIR/build llama-server" in err
+    assert "-DGGML_NATIVE=OFF" in err and llama_cpp.SERVER_ENV in err
+
+
+def test_a_build_without_dflash_is_refused_by_its_help():
+    help_text = FAKE_HELP.replace("draft-dflash|", "")
+    with pytest.raises(llama_cpp.LlamaCppError, match="(?s)does not know.*--spec-type draft-dflash"):
+        llama_cpp.check_server_supports(help_text, ["--spec-draft-n-max"], ["draft-dflash", "ngram-mod"])
+    llama_cpp.check_server_supports(FAKE_HELP, ["--spec-draft-n-max", "-md"], ["draft-dflash", "ngram-mod"])
+
+
+def test_a_gguf_target_needs_its_hf_directory(tmp_path):
+    gguf = tmp_path / "target.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match="also give --target-hf"):
+        ServeCheckOptions(target=str(gguf), drafter="x", prompts=["p.jsonl"])
+
+
+REAL = os.environ.get("DFLASH_REAL_TARGET", "")
+LLAMA = os.environ.get(llama_cpp.SERVER_ENV, "") and os.environ.get(llama_cpp.CONVERT_ENV, "")
+PROMPTS = [
+    "Write a Python function that reverses a string.",
+    "What is the capital of France?",
+    "Explain recursion in one sentence.",
+    "List three primary colors.",
+]
+
+
+@pytest.mark.real
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not (REAL and LLAMA),
+    reason=f"set DFLASH_REAL_TARGET and {llama_cpp.SERVER_ENV} + {llama_cpp.CONVERT_ENV} (a llama.cpp build)",
+)
+def test_llama_cpp_accepts_what_the_eval_accepts(tmp_path):
+    """A drafter trained a few steps on the target's own replies to the prompts it is then served
+    (so that it accepts something quickly on CPU): llama.cpp must accept about as much as the exact
+    eval. An engine near 0 where the eval is not means the export and llama.cpp disagree on a
+    convention (layer ids, norms, mask token). The target GGUF is the f32 conversion of the same HF
+    directory unless ``DFLASH_REAL_TARGET_GGUF`` names another one."""
+    from dflash_train.cli import main
+
+    steps = int(os.environ.get("DFLASH_SERVE_CHECK_STEPS", "30"))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in PROMPTS)
+    )
+    regen = ["regen", "--target", REAL, "--data", str(prompts), "--output", str(tmp_path / "regen.jsonl")]
+    assert main([*regen, "--max-new-tokens", "32", "--device", "cpu", "--engine", "transformers"]) == 0
+    overrides = [
+        f"target.path={REAL}", "target.dtype=float32", f"data.paths=[{tmp_path / 'regen.jsonl'}]",
+        f"output_dir={tmp_path / 'run'}", "drafter.num_hidden_layers=1", "drafter.block_size=8",
+        "train.num_anchors=16", "data.seq_buckets=[128]", "data.token_budget=512", f"train.max_steps={steps}",
+        "train.num_epochs=1000", "train.compile=false", "train.attention_backend=sdpa", "train.device=cpu",
+        "train.dtype=float32", "train.lr=3e-3", "train.lr_schedule=constant", "train.warmup_ratio=0.0",
+        f"logging.every_steps={steps}", f"checkpoint.every_steps={steps}",
+    ]  # fmt: skip
+    assert main(["train", "smollm2-135m", *overrides]) == 0
+    gguf = os.environ.get("DFLASH_REAL_TARGET_GGUF", "")
+    result = run_serve_check(
+        ServeCheckOptions(
+            target=gguf or REAL, target_hf=REAL, drafter=str(tmp_path / "run" / "export"),
+            prompts=[str(prompts)], num_prompts=len(PROMPTS), max_new_tokens=32, ngram_types=[],
+            workdir=str(tmp_path / "serve"),
+        )
+    )  # fmt: skip
+    print(json.dumps({k: v for k, v in result.items() if k != "engine_commands"}, default=str))
+    assert result["eval"]["dflash"]["accepted"] > 0, (
+        f"the drafter accepts nothing after {steps} steps: raise them"
+    )
+    assert result["engine_lossless"]["draft-dflash"] == f"{len(PROMPTS)}/{len(PROMPTS)}"
+    assert not result["engine_far_from_eval"], (
+        result["engine_acceptance_rate"],
+        result["eval_acceptance_rate"],
+    )
+    assert result["engine"]["draft-dflash"]["accepted"] > 0
