@@ -74,6 +74,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
                                        "finish_reason": "length"}],
                           "usage": {"prompt_tokens": 3, "completion_tokens": n}, "timings": timings})
 
+import threading
+threading.Timer(300, os._exit, [0]).start()  # never outlives a broken stop() for long
 http.server.ThreadingHTTPServer(("127.0.0.1", int(args[args.index("--port") + 1])), Handler).serve_forever()
 """
 
