@@ -50,3 +50,38 @@ def test_tiny_length_bench_compares_buckets_and_packing(tmp_path, capsys):
         assert mode["real_tokens_per_s"] > 0 and 0 <= mode["padding_waste_timed"] < 1
         assert mode["real_tokens_per_s"] <= mode["batch_tokens_per_s"]
     assert result["packing_speedup"] > 0
+
+
+def test_every_bucket_compiles_its_layer_graphs_once_before_the_timed_steps(tmp_path, monkeypatch):
+    """Five buckets x the tiny drafter's 2 layer graphs per shape = 10 compiled graphs of one code
+    object: past dynamo's default limit of 8, which would leave the last shapes eager for the run."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    from dflash_train.bench.lengths import run_length_bench
+    from dflash_train.bench.train_step import BenchOptions, bench_config
+
+    compile_module = torch.nn.Module.compile  # dynamo's graph count does not depend on the backend
+    monkeypatch.setattr(
+        torch.nn.Module, "compile", lambda self, **kw: compile_module(self, **{**kw, "backend": "eager"})
+    )
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)  # the default, restored afterwards
+    torch._dynamo.reset()
+    counters.clear()
+    rng = np.random.default_rng(0)
+    path = tmp_path / "lengths.jsonl"
+    path.write_text("".join(json.dumps({"length": int(n)}) + "\n" for n in rng.integers(10, 250, size=40)))
+    args = BenchOptions(preset="tiny", lengths=str(path), compile=True, steps=2, warmup=0)
+    cfg, seq_len, _ = bench_config(args)
+    try:
+        result = run_length_bench(args, cfg, seq_len, torch.device("cpu"), buckets=[16, 32, 64, 128, 256])
+        graphs = counters["stats"]["unique_graphs"]
+    finally:
+        torch._dynamo.reset()
+    buckets, packing = result["modes"]["buckets"], result["modes"]["packing"]
+    # layer 0 (input without gradient) and layer 1 per shape; packing's one shape is the 256 bucket's
+    assert buckets["batch_shapes"] == 5 and graphs == 10
+    assert buckets["compiled_graphs_warmup"] == 10 and packing["compiled_graphs_warmup"] == 0
+    for mode in (buckets, packing):
+        assert mode["compiled_graphs_timed"] == 0 and mode["eager_fallbacks"] == 0
+        assert mode["warmup_s"] > 0

@@ -8,7 +8,9 @@ the lengths of ``FILE`` (a JSONL whose rows carry ``length`` or ``num_tokens``, 
 random ids and a prompt-then-response mask, feeds them through the trainer's own data pipeline
 (``TrainData``) once with ``data.seq_buckets`` and once with ``data.packing``, and times full
 optimizer steps of each. Reported per mode: real tokens/s, batch tokens/s, the measured padding
-waste of the timed steps and of the whole epoch plan.
+waste of the timed steps and of the whole epoch plan, and the warm-up apart (``warmup_s``,
+``compiled_graphs_warmup``): compiled code is specialised per batch shape, so the warm-up serves one
+batch of every shape first and the timed steps compile nothing (``compiled_graphs_timed`` 0).
 """
 
 from __future__ import annotations
@@ -151,18 +153,31 @@ def run_lengths_bench(args: BenchOptions) -> dict[str, Any]:
     }
 
 
-def run_length_bench(args, cfg, seq_len: int, device: torch.device) -> dict[str, Any]:
-    """Time ``args.steps`` optimizer steps per mode (after warm-up) on ``args.lengths``."""
+def run_length_bench(
+    args, cfg, seq_len: int, device: torch.device, buckets: list[int] | None = None
+) -> dict[str, Any]:
+    """Time ``args.steps`` optimizer steps per mode (after warm-up) on ``args.lengths``, with
+    ``buckets`` (default ``bucket_lengths(seq_len)``) in the bucketed mode.
+
+    Each mode's run is built with that mode's data config, as training would be (the compiled
+    drafter layers' recompile limit covers its bucket shapes, ``drafter_recompile_limit``); both
+    modes share one process, hence one compile cache, so the limit covers the two together.
+    """
+    from dflash_train.train.builders import drafter_recompile_limit, ensure_recompile_limit
+
     lengths, responses, description = load_lengths(args.lengths, seq_len)
-    data_cfg = replace(cfg.data, seq_buckets=bucket_lengths(seq_len), token_budget=seq_len * args.rows)
-    modes, target = {}, None
+    buckets = buckets or bucket_lengths(seq_len)
+    data_cfg = replace(cfg.data, seq_buckets=buckets, token_budget=seq_len * args.rows)
+    modes, target, recompile_limit = {}, None, 0
     for mode in ("buckets", "packing"):
-        run = build_bench_run(cfg, args.rows, seq_len, device, target=target)
+        mode_cfg = replace(cfg, data=replace(data_cfg, packing=mode == "packing"))
+        run = build_bench_run(mode_cfg, args.rows, seq_len, device, target=target)
         target = run.target
+        if cfg.train.compile:
+            recompile_limit += drafter_recompile_limit(run.draft_config.layer_types, mode_cfg.data)
+            ensure_recompile_limit(recompile_limit)
         tokenized = synthetic_tokenized(lengths, responses, target.vocab_size)
-        data = TrainData(
-            tokenized, replace(data_cfg, packing=mode == "packing"), seed=0, rank=0, world_size=1, pad_id=0
-        )
+        data = TrainData(tokenized, mode_cfg.data, seed=0, rank=0, world_size=1, pad_id=0)
         run.data = CountingData(data)
         shapes = len(run.data.warmup)
         timing = time_train_steps(run, args.steps, args.warmup + shapes)
@@ -184,7 +199,7 @@ def run_length_bench(args, cfg, seq_len: int, device: torch.device) -> dict[str,
         "lengths": description,
         "conversations": len(lengths),
         "mean_length": float(lengths.mean()),
-        "buckets": bucket_lengths(seq_len),
+        "buckets": buckets,
         "modes": modes,
         "packing_speedup": modes["packing"]["real_tokens_per_s"]
         / max(modes["buckets"]["real_tokens_per_s"], 1e-9),

@@ -11,6 +11,7 @@ the step-time split, MFU against the measured 798 TFLOP/s bf16 peak of an H200, 
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -257,17 +258,22 @@ def teacher_flops(target_config, draft_config, seq_len: int, num_anchors: int, r
 
 
 def time_train_steps(run, steps: int, warmup: int) -> dict[str, float]:
-    """Mean wall time of ``steps`` train steps after ``warmup`` untimed ones, its phase split and
-    the peak memory of the timed steps."""
+    """Mean wall time of ``steps`` train steps after ``warmup`` untimed ones, its phase split, the
+    peak memory of the timed steps, and the warm-up's wall time and compilations (a graph compiled
+    during the timed steps, or code that dynamo gave up compiling, is warned about)."""
     from dflash_train.train.colocated import train_step
     from dflash_train.train.run import TrainHooks
 
     device = run.info.device
     timer = PhaseTimer(device)
     hooks = TrainHooks()
+    before = compile_counts()
+    t0 = time.perf_counter()
     for _ in range(warmup):
         train_step(run, timer, hooks)
     _sync(device)
+    warmup_s = time.perf_counter() - t0
+    warmed = compile_counts()
     timer.collect()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -277,14 +283,53 @@ def time_train_steps(run, steps: int, warmup: int) -> dict[str, float]:
     _sync(device)
     step_s = (time.perf_counter() - t0) / steps
     phases = timer.collect()
+    compiles = check_compiles(before, warmed, compile_counts())
     return {
         "step_s": step_s,
+        "warmup_s": warmup_s,
+        **compiles,
         "target_s": phases.get("target", 0.0) / steps,
         "drafter_s": phases.get("drafter", 0.0) / steps,
         "optimizer_s": phases.get("optimizer", 0.0) / steps,
         "peak_mem_gb": torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else 0.0,
         "loss": float(result["loss"]),
     }
+
+
+def compile_counts() -> tuple[int, int]:
+    """(graphs dynamo compiled, frames it gave up on) in this process so far; a frame it gives up
+    on (recompile limit hit, compile error) runs eagerly from then on."""
+    from torch._dynamo.utils import counters
+
+    frames = counters["frames"]
+    return counters["stats"]["unique_graphs"], frames["total"] - frames["ok"]
+
+
+def check_compiles(
+    before: tuple[int, int], warmed: tuple[int, int], after: tuple[int, int]
+) -> dict[str, int]:
+    """Compilations of the warm-up and of the timed steps from three ``compile_counts``; warns when
+    the timed steps compiled (their time includes compilation) or any frame fell back to eager."""
+    counts = {
+        "compiled_graphs_warmup": warmed[0] - before[0],
+        "compiled_graphs_timed": after[0] - warmed[0],
+        "eager_fallbacks": after[1] - before[1],
+    }
+    if counts["compiled_graphs_timed"]:
+        warnings.warn(
+            f"bench: {counts['compiled_graphs_timed']} graph(s) compiled during the timed steps, so step_s "
+            "includes compilation; raise --warmup (TORCH_LOGS=recompiles names the cause).",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    if counts["eager_fallbacks"]:
+        warnings.warn(
+            f"bench: dynamo gave up compiling {counts['eager_fallbacks']} frame(s) (recompile limit or a "
+            "compile error; see its log warnings), which then ran eagerly: the times are not the compiled step's.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return counts
 
 
 def profile_train_step(run, path: str, rows: int = 40) -> None:

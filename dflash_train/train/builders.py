@@ -86,6 +86,28 @@ def apply_compile_and_checkpointing(drafter: nn.Module, cfg: RunConfig) -> None:
             layer.forward = _checkpointed(layer.forward, checkpoint)
         if cfg.train.compile:
             layer.compile(dynamic=False)  # in place: keeps the serving tensor names
+    if cfg.train.compile:
+        ensure_recompile_limit(drafter_recompile_limit(drafter.config.layer_types, cfg.data))
+
+
+def drafter_recompile_limit(layer_types: list[str], data_cfg) -> int:
+    """Compiled graphs the drafter layers' shared code object may need in a run of ``data_cfg``.
+
+    One per (batch shape, layer type, whether the layer's input needs a gradient): a run sees one
+    shape per bucket (one when packed); the first layer's input, the frozen embedding of the block
+    tokens, needs none, which compiles the first layer apart; flex attention guards on each layer
+    type's mask rule (chunked SDPA does not, so there this overcounts). Qwen3.6-27B's [sliding x4,
+    full] with 3 buckets: 9, past dynamo's default limit of 8. Doubled for guards this count does not
+    model (a distributed wrapper's state); a per-length recompile would still exceed it.
+    """
+    shapes = 1 if data_cfg.packing else len(data_cfg.seq_buckets)
+    return 2 * shapes * len({(kind, index == 0) for index, kind in enumerate(layer_types)})
+
+
+def ensure_recompile_limit(entries: int) -> None:
+    """Raise dynamo's per-code-object recompile limit to ``entries``: past it dynamo would run the
+    code eagerly for the rest of the process, with one log warning and no error."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, entries)
 
 
 def _checkpointed(fn, checkpoint):
