@@ -8,7 +8,8 @@ server is stopped, also on error. With a real llama.cpp build (``DFLASH_LLAMA_SE
 steps is served and its acceptance compared with the eval's:
 
     DFLASH_LLAMA_SERVER=.../build/bin/llama-server DFLASH_LLAMA_CONVERT=.../convert_hf_to_gguf.py \\
-    DFLASH_REAL_TARGET=/work/smollm2-hf pytest -m real tests/test_serve_check.py
+    DFLASH_REAL_TARGET=/work/smollm2-hf DFLASH_REAL_TARGET_GGUF=~/.cache/real-target/SmolLM2-135M-Instruct.Q4_1.gguf \\
+    pytest -m real tests/test_serve_check.py
 """
 
 from __future__ import annotations
@@ -227,6 +228,9 @@ def test_a_gguf_target_needs_its_hf_directory(tmp_path):
 
 REAL = os.environ.get("DFLASH_REAL_TARGET", "")
 LLAMA = os.environ.get(llama_cpp.SERVER_ENV, "") and os.environ.get(llama_cpp.CONVERT_ENV, "")
+# The target GGUF the HF directory was dequantized from: converting real-target.sh's directory back
+# gives an SPM vocabulary that llama-server cannot render chat with (no newline token).
+REAL_GGUF = os.environ.get("DFLASH_REAL_TARGET_GGUF", "")
 PROMPTS = [
     "Write a Python function that reverses a string.",
     "What is the capital of France?",
@@ -238,15 +242,15 @@ PROMPTS = [
 @pytest.mark.real
 @pytest.mark.slow
 @pytest.mark.skipif(
-    not (REAL and LLAMA),
-    reason=f"set DFLASH_REAL_TARGET and {llama_cpp.SERVER_ENV} + {llama_cpp.CONVERT_ENV} (a llama.cpp build)",
+    not (REAL and REAL_GGUF and LLAMA),
+    reason=f"set DFLASH_REAL_TARGET(_GGUF) and {llama_cpp.SERVER_ENV} + {llama_cpp.CONVERT_ENV} (a llama.cpp build)",
 )
 def test_llama_cpp_accepts_what_the_eval_accepts(tmp_path):
     """A drafter trained a few steps on the target's own replies to the prompts it is then served
     (so that it accepts something quickly on CPU): llama.cpp must accept about as much as the exact
     eval. An engine near 0 where the eval is not means the export and llama.cpp disagree on a
-    convention (layer ids, norms, mask token). The target GGUF is the f32 conversion of the same HF
-    directory unless ``DFLASH_REAL_TARGET_GGUF`` names another one."""
+    convention (layer ids, norms, mask token). The engine's target is ``DFLASH_REAL_TARGET_GGUF``,
+    the GGUF the HF directory was dequantized from."""
     from dflash_train.cli import main
 
     steps = int(os.environ.get("DFLASH_SERVE_CHECK_STEPS", "30"))
@@ -265,10 +269,9 @@ def test_llama_cpp_accepts_what_the_eval_accepts(tmp_path):
         f"logging.every_steps={steps}", f"checkpoint.every_steps={steps}",
     ]  # fmt: skip
     assert main(["train", "smollm2-135m", *overrides]) == 0
-    gguf = os.environ.get("DFLASH_REAL_TARGET_GGUF", "")
     result = run_serve_check(
         ServeCheckOptions(
-            target=gguf or REAL, target_hf=REAL, drafter=str(tmp_path / "run" / "export"),
+            target=REAL_GGUF, target_hf=REAL, drafter=str(tmp_path / "run" / "export"),
             prompts=[str(prompts)], num_prompts=len(PROMPTS), max_new_tokens=32, ngram_types=[],
             workdir=str(tmp_path / "serve"),
         )
