@@ -12,7 +12,8 @@ What makes the numbers comparable, and what does not: the engine renders the pro
 chat template (checked token for token against the HF tokenizer's rendering), and a quantized GGUF
 computes the target in its own precision, so its greedy text may leave the fp32 one after a while
 (``engine_greedy_equals_eval``); the rounds then differ, not the drafter. Converting the HF
-directory itself (``--target DIR``, f32) removes that difference.
+directory itself (``--target DIR``, f32) removes that difference where its tokenizer converts back
+(docs/training.md: one dequantized from a GGUF may not; serve the GGUF then).
 """
 
 from __future__ import annotations
