@@ -253,7 +253,7 @@ def test_llama_cpp_accepts_what_the_eval_accepts(tmp_path):
     the GGUF the HF directory was dequantized from."""
     from dflash_train.cli import main
 
-    steps = int(os.environ.get("DFLASH_SERVE_CHECK_STEPS", "30"))
+    steps = int(os.environ.get("DFLASH_SERVE_CHECK_STEPS", "50"))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(
         "".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in PROMPTS)
