@@ -33,21 +33,6 @@ from dflash_train.eval.runner import default_eos_ids
 from dflash_train.eval.summary import summarize_rounds
 from dflash_train.models.target_kernels import bind_fla_causal_conv, bound_kernels
 
-TOPICS = [
-    "Write a Python function that merges two sorted lists.",
-    "Explain how a hash map handles collisions.",
-    "What is the difference between a process and a thread?",
-    "Write a haiku about autumn rain.",
-    "Summarise the causes of the French Revolution in five sentences.",
-    "How do I read a CSV file with the csv module and sum one column?",
-    "Give three tips for writing clear commit messages.",
-    "Solve 3x + 7 = 22 step by step.",
-    "Write a short story opening set on a night train.",
-    "Explain recursion to a ten-year-old.",
-    "Write a SQL query that returns the top five customers by revenue.",
-    "What does the Python GIL do?",
-]
-
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -91,10 +76,9 @@ def build_target(args, device, dtype):
 
         prompts = load_prompts(args.prompts, tokenizer, num_prompts=args.num_prompts)
     else:
-        from dflash_train.eval.prompts import encode_prompt
+        from dflash_train.eval.prompts import benchmark_prompts
 
-        rows = [{"prompt": f"{TOPICS[i % len(TOPICS)]} (variant {i})"} for i in range(args.num_prompts)]
-        prompts = [encode_prompt(tokenizer, row, None) for row in rows]
+        prompts = benchmark_prompts(tokenizer, args.num_prompts)
     return model.eval(), tokenizer, prompts
 
 

@@ -42,17 +42,6 @@ from dflash_train.data.generation import PaddedEngine, SlotEngine
 from dflash_train.data.sampling import Sampling
 from dflash_train.eval.verdict import describe_divergence, verdict
 
-TOPICS = [
-    "Explain how a hash map handles collisions",
-    "Write a Python function that merges two sorted lists",
-    "Summarise the causes of the French revolution",
-    "What is the difference between TCP and UDP?",
-    "Give me a recipe for a vegetarian lasagna",
-    "Describe the water cycle to a ten year old",
-    "Write a short poem about autumn in the city",
-    "How does gradient descent find a minimum?",
-]
-
 
 class StepTimeout(Exception):
     pass
@@ -97,15 +86,14 @@ def build(args, device: torch.device, dtype: torch.dtype):
         ]
         stops = {rng.randrange(vocab) for _ in range(args.num_stop_ids)}
         return model.eval(), prompts, stops
-    from dflash_train.eval.prompts import encode_prompt, load_prompts
+    from dflash_train.eval.prompts import benchmark_prompts, load_prompts
     from dflash_train.eval.runner import default_eos_ids
 
     model, tokenizer = load_causal_lm(args.target, dtype=dtype, device=device)
     if args.prompts:
         prompts = load_prompts(args.prompts, tokenizer, num_prompts=args.num_prompts)
     else:
-        rows = [{"prompt": f"{TOPICS[i % len(TOPICS)]} (variant {i})"} for i in range(args.num_prompts)]
-        prompts = [encode_prompt(tokenizer, row, None) for row in rows]
+        prompts = benchmark_prompts(tokenizer, args.num_prompts)
     return model.eval(), prompts, set(default_eos_ids(model, tokenizer))
 
 

@@ -164,3 +164,28 @@ def prompt_messages(row: dict[str, Any], where: str) -> list[dict[str, Any]]:
     if last_user < 0:
         raise PromptRowError("no_user_turn", "the row has no user turn to answer", where)
     return messages[: last_user + 1]
+
+
+# Built-in chat requests for the benchmarks (scripts/gpu_*_bench.py) when no prompt file is given.
+BENCHMARK_TOPICS = [
+    "Write a Python function that merges two sorted lists.",
+    "Explain how a hash map handles collisions.",
+    "What is the difference between a process and a thread?",
+    "Write a haiku about autumn rain.",
+    "Summarise the causes of the French Revolution in five sentences.",
+    "How do I read a CSV file with the csv module and sum one column?",
+    "Give three tips for writing clear commit messages.",
+    "Solve 3x + 7 = 22 step by step.",
+    "Write a short story opening set on a night train.",
+    "Explain recursion to a ten-year-old.",
+    "Write a SQL query that returns the top five customers by revenue.",
+    "What does the Python GIL do?",
+]
+
+
+def benchmark_prompts(tokenizer, num_prompts: int) -> list[list[int]]:
+    """``num_prompts`` distinct chat requests (the topics above, numbered), rendered as prompts."""
+    rows = [
+        {"prompt": f"{BENCHMARK_TOPICS[i % len(BENCHMARK_TOPICS)]} (variant {i})"} for i in range(num_prompts)
+    ]
+    return [encode_prompt(tokenizer, row, None) for row in rows]
