@@ -219,19 +219,28 @@ def test_stored_ids_train_as_the_prompt_then_the_generated_ids(tmp_path, tokeniz
     assert data.id_sources.tolist() == [0, 1]
 
 
-def test_stored_ids_of_every_turn_of_a_multi_turn_row(tmp_path, tokenizer):
+def two_generated_turns(tokenizer):
+    """(system, user, reply with a non-round-tripping split, user, reply): the messages, the first
+    reply's split and the second reply's ids."""
     text, split = split_of_a_merged_token(tokenizer)
     first = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
     reply_one = generated_reply(tokenizer, first, split)
     second = [*first, {"role": "assistant", "content": text}, {"role": "user", "content": "more"}]
     second_ids = ids_of("two plus two is four.", tokenizer)
     reply_two = generated_reply(tokenizer, second, second_ids)
-    _, data = build_rows(tmp_path, tokenizer, [{"messages": [*first, reply_one, *second[3:], reply_two]}])
+    return [*first, reply_one, *second[3:], reply_two], split, second_ids
+
+
+def test_stored_ids_of_every_turn_of_a_multi_turn_row(tmp_path, tokenizer):
+    messages, split, second_ids = two_generated_turns(tokenizer)
+    _, data = build_rows(tmp_path, tokenizer, [{"messages": messages}])
     ids, mask = (a.tolist() for a in data.row(0))
     end = ids_of("<|im_end|>", tokenizer)
     # The second prompt continues after the first reply's end of turn (the template text in between).
     glue = ids_of("\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n", tokenizer)
-    expected = reply_one["prompt_token_ids"] + split + end + glue + second_ids + end + ids_of("\n", tokenizer)
+    expected = (
+        messages[2]["prompt_token_ids"] + split + end + glue + second_ids + end + ids_of("\n", tokenizer)
+    )
     assert ids == expected
     assert masked_spans(tokenizer, np.asarray(ids), np.asarray(mask)) == [
         tokenizer.decode(split + end),
@@ -433,13 +442,7 @@ def test_regen_finished_reaches_the_cache_and_the_data_stats(tmp_path, tokenizer
 
 
 def test_stored_ids_of_a_multi_turn_row_with_a_cut_history_reply(tmp_path, tokenizer):
-    text, split = split_of_a_merged_token(tokenizer)
-    first = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-    reply_one = generated_reply(tokenizer, first, split)
-    second = [*first, {"role": "assistant", "content": text}, {"role": "user", "content": "more"}]
-    second_ids = ids_of("two plus two is four.", tokenizer)
-    reply_two = generated_reply(tokenizer, second, second_ids)
-    messages = [*first, reply_one, *second[3:], reply_two]
+    messages, split, second_ids = two_generated_turns(tokenizer)
     _, data = build_rows(tmp_path, tokenizer, [regen_row(messages, [False, True])])
     ids, mask = data.row(0)
     assert labelled_end_of_turn(tokenizer, ids, mask) == [False, True]
