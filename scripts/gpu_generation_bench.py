@@ -1,7 +1,7 @@
-"""Generation engines side by side (``data/generation.py``): rows/s, generated tokens/s, peak memory,
+"""Generation engines side by side (``generate/engine.py``): rows/s, generated tokens/s, peak memory,
 and whether their greedy outputs agree (the eval's tie-aware verdict).
 
-Engines: ``padded`` (the padded-batch loop synth and regen ran before, ``data.sampling.sample_batch``,
+Engines: ``padded`` (the padded-batch loop synth and regen ran before, ``generate.sampling.sample_batch``,
 run in waves of ``--batch-size`` rows), ``slots`` (the slot engine: continuous batching over
 ``--batch-size`` slots, preallocated cache, CUDA-graphed decode step on CUDA) and ``slots-eager``
 (the same without graphs, to separate the two gains). Every engine runs the same prompts, greedy
@@ -38,9 +38,9 @@ from pathlib import Path
 
 import torch
 
-from dflash_train.data.generation import PaddedEngine, SlotEngine
-from dflash_train.data.sampling import Sampling
 from dflash_train.eval.verdict import describe_divergence, verdict
+from dflash_train.generate.engine import PaddedEngine, SlotEngine
+from dflash_train.generate.sampling import Sampling
 
 
 class StepTimeout(Exception):

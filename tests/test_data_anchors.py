@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from dflash_train.data.anchors import sample_anchors, splitmix64
+from dflash_train.data.anchors import sample_anchors
+from dflash_train.hashing import splitmix64
 
 
 def make_mask():

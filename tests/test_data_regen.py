@@ -194,7 +194,7 @@ def test_regen_counts_rows_whose_text_does_not_round_trip(
     from transformers import AutoTokenizer
 
     from dflash_train.data import regen
-    from dflash_train.data.sampling import Generation
+    from dflash_train.generate.sampling import Generation
 
     _, _, split = split_merged_token(AutoTokenizer.from_pretrained(tiny_hybrid_dir))
     # The target "emits" a non-canonical split: its text cannot carry those ids.

@@ -56,7 +56,7 @@ def test_regen_rows_train_from_the_ids_the_target_generated(tmp_path, tiny_hybri
     from dflash_train.data import regen
     from dflash_train.data.cache import load_or_build
     from dflash_train.data.regen import run_regen
-    from dflash_train.data.sampling import Generation
+    from dflash_train.generate.sampling import Generation
     from tests.test_data_regen import ROWS, regen_args, split_merged_token
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_hybrid_dir)
@@ -103,7 +103,7 @@ def test_replies_regen_cut_at_the_limit_train_without_their_end_of_turn(
     from dflash_train.data import regen
     from dflash_train.data.cache import load_or_build
     from dflash_train.data.regen import run_regen
-    from dflash_train.data.sampling import Generation
+    from dflash_train.generate.sampling import Generation
     from tests.test_data_regen import ROWS, regen_args
     from tests.test_data_tokenize import labelled_end_of_turn
 

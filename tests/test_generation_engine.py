@@ -1,7 +1,7 @@
 """The slot engine (continuous batching, preallocated cache) emits exactly what the padded engine does.
 
 fp32 on CPU: for every row, the same tokens, stop flag and stop id as the padded-batch loop (the
-engine synth and regen used before, ``data.sampling.sample_batch``), greedy and sampled, on an
+engine synth and regen used before, ``generate.sampling.sample_batch``), greedy and sampled, on an
 attention target, a GatedDeltaNet hybrid and the demo target's shape, with mixed prompt lengths,
 rows that stop at once, rows that hit the limit, and fewer slots than rows (so slots are refilled
 and hold a longer row's stale entries). A planted off-by-one in positions, cache indices or the
@@ -15,10 +15,10 @@ import sys
 import pytest
 import torch
 
-from dflash_train.data import generation
-from dflash_train.data.generation import PaddedEngine, SlotEngine, build_generator, slot_engine_problem
-from dflash_train.data.sampling import Sampling
-from dflash_train.data.slot_cache import SlotAttentionLayer
+from dflash_train.generate import engine as generation
+from dflash_train.generate.engine import PaddedEngine, SlotEngine, build_generator, slot_engine_problem
+from dflash_train.generate.sampling import Sampling
+from dflash_train.generate.slot_cache import SlotAttentionLayer
 from dflash_train.tiny import build_tiny_target, sharpen
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")

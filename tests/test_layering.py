@@ -1,4 +1,4 @@
-"""The package's import structure: models < config < data < train/eval < bench/demo < cli, no cycles.
+"""The package's import structure: models < config < generate < data < train/eval < bench/demo < cli, no cycles.
 
 Every ``import`` of a ``dflash_train`` module counts, wherever it stands: lazy ones inside
 functions (a lazy import only hides a cycle until the function runs) and type-only ones under
@@ -17,13 +17,15 @@ LAYERS = {
     "dflash_train": 0,
     "models": 0,
     "config": 1,
+    "hashing": 0,
     "tiny": 2,  # tiny tokenizer and targets in code, built on models.presets
-    "data": 2,
-    "train": 3,
-    "eval": 3,
-    "bench": 4,
-    "demo": 4,
-    "cli": 5,
+    "generate": 2,  # the target's batched generation, used by data (synth, regen) and eval
+    "data": 3,
+    "train": 4,
+    "eval": 4,
+    "bench": 5,
+    "demo": 5,
+    "cli": 6,
 }
 
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from dflash_train.data import sampling
-from dflash_train.data.sampling import (
+from dflash_train.generate import sampling
+from dflash_train.generate.sampling import (
     Sampling,
     choose_tokens,
     row_streams,

@@ -106,7 +106,7 @@ def test_synth_two_turns_on_the_real_qwen_templates(tmp_path, monkeypatch, templ
     """``synth --turns 2 --system ...`` on a target carrying Qwen's real template writes
     (system, user, assistant, user) rows; the second prompt starts where the template opens a user turn."""
     from dflash_train.data import synth as synth_module
-    from dflash_train.data.sampling import Generation
+    from dflash_train.generate.sampling import Generation
     from dflash_train.tiny import build_tiny_target
 
     tok = qwen_tokenizer(template)
@@ -242,7 +242,7 @@ def test_synth_cli_json(chatty_dir, tmp_path, capsys):
 def test_thinking_switch_reaches_the_template(tmp_path, monkeypatch, thinking, reply_prompt_end):
     """Qwen3.5-style template: the reply prompt between turns follows --thinking."""
     from dflash_train.data import synth as synth_module
-    from dflash_train.data.sampling import Generation
+    from dflash_train.generate.sampling import Generation
 
     target = save_family_target(tmp_path / "qwen35", "qwen35")
     synthesizer = synth_module.Synthesizer(options(target, tmp_path / "o.jsonl", turns=2, thinking=thinking))

@@ -17,24 +17,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from dflash_train.hashing import shift_right_logical, splitmix64
+
 # Legend: R rows, L sequence, A anchors.
 INT64_MAX = 2**63 - 1
-GOLDEN = 0x9E3779B97F4A7C15 - 2**64  # splitmix64 constants as signed int64
-MIX1 = 0xBF58476D1CE4E5B9 - 2**64
-MIX2 = 0x94D049BB133111EB - 2**64
-
-
-def shift_right_logical(x: torch.Tensor, bits: int) -> torch.Tensor:
-    """``x >>> bits`` on int64: torch's ``>>`` is arithmetic, so clear the sign-extended bits."""
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def splitmix64(x: torch.Tensor) -> torch.Tensor:
-    """The splitmix64 finaliser of ``x + golden``: a bijective, well-mixed int64 -> int64 hash."""
-    z = x + GOLDEN
-    z = (z ^ shift_right_logical(z, 30)) * MIX1
-    z = (z ^ shift_right_logical(z, 27)) * MIX2
-    return z ^ shift_right_logical(z, 31)
 
 
 def anchor_keys(seed: int, epoch: int, sample_index: torch.Tensor, length: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ the text (``data.stored_ids``; the endpoint engine returns text only, so its row
 output is appended to and flushed per batch, so an interrupted run resumes: rows whose key is already in the output are skipped, and a partially written last line
 is cut off first.
 
-Engines: ``transformers`` (in process, what ``--engine auto`` runs: ``data.generation``'s continuous
+Engines: ``transformers`` (in process, what ``--engine auto`` runs: ``generate.engine``'s continuous
 batching over ``--batch-size`` slots, CUDA graphs on GPU), ``vllm`` (offline, with ``--engine vllm``) and ``endpoint`` (any OpenAI-compatible server, ``data.endpoint``;
 rows that keep failing go to ``OUTPUT.failed.jsonl`` with their reason, rewritten by every run).
 """
@@ -32,7 +32,6 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from dflash_train.data.generation import QUEUE_ROWS_PER_SLOT, build_generator
 from dflash_train.data.readers import ChatRow, expand_paths, iter_chat_rows
 from dflash_train.data.regen_options import RegenOptions
 from dflash_train.data.regen_turns import (
@@ -44,10 +43,11 @@ from dflash_train.data.regen_turns import (
     row_key,
     turn_key,
 )
-from dflash_train.data.sampling import Sampling, load_generator, resolve_device
 from dflash_train.data.skips import SkipCounts
 from dflash_train.data.special_tokens import end_of_turn_id, pad_id, resolve_eos_ids
 from dflash_train.data.tokenize import template_kwargs
+from dflash_train.generate.engine import QUEUE_ROWS_PER_SLOT, build_generator
+from dflash_train.generate.sampling import Sampling, load_generator, resolve_device
 
 
 def run_regen(opts: RegenOptions) -> dict[str, Any]:
@@ -251,7 +251,7 @@ def regenerate(engine, rows: list[ChatRow]) -> list[tuple]:
 
 def build_engine(opts: RegenOptions):
     """The endpoint client with ``--endpoint``, vLLM with ``--engine vllm``, else in process
-    (``data.generation``: continuous batching on a preallocated cache, CUDA graphs on GPU)."""
+    (``generate.engine``: continuous batching on a preallocated cache, CUDA graphs on GPU)."""
     if opts.endpoint:
         from dflash_train.data.endpoint import EndpointEngine
 
@@ -269,7 +269,7 @@ def build_engine(opts: RegenOptions):
 
 
 class TransformersEngine:
-    """In-process generation on ``data.generation``'s engine (``--batch-size`` slots), greedy at temperature 0."""
+    """In-process generation on ``generate.engine``'s engine (``--batch-size`` slots), greedy at temperature 0."""
 
     name = "transformers"
 

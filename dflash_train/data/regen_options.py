@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dflash_train.data.regen_turns import THINKING
-from dflash_train.data.sampling import Sampling
+from dflash_train.generate.sampling import Sampling
 
 
 @dataclass(kw_only=True)

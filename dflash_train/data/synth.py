@@ -30,9 +30,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from dflash_train.data.generation import QUEUE_ROWS_PER_SLOT, build_generator
 from dflash_train.data.prompt_filters import PromptFilter
-from dflash_train.data.sampling import Sampling, load_generator, resolve_device
 from dflash_train.data.special_tokens import (
     SENTINEL,
     end_of_turn_id,
@@ -48,6 +46,8 @@ from dflash_train.data.tokenize import (
     template_kwargs,
     turn_closing_text,
 )
+from dflash_train.generate.engine import QUEUE_ROWS_PER_SLOT, build_generator
+from dflash_train.generate.sampling import Sampling, load_generator, resolve_device
 
 THINKING = {"on": True, "off": False, "default": None}
 # Settings that change which rows are produced; a resumed run must use the same ones.

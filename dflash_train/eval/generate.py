@@ -1,7 +1,7 @@
 """Batched greedy generation: the target's own continuation of many prompts at once.
 
 Exact-mode acceptance (``eval/exact.py``) needs the target's greedy continuation of every prompt.
-They come from the project's one generation engine (``data/generation.py``, the same one synth and
+They come from the project's one generation engine (``generate/engine.py``, the same one synth and
 regen use): ``batch_size`` slots refilled from a queue as rows end, a preallocated cache and, on
 CUDA, a graph-captured decode step. A row stops at its first EOS token (kept) or at
 ``max_new_tokens``. GatedDeltaNet (hybrid) targets run there too; models that engine cannot run
@@ -17,8 +17,8 @@ from collections.abc import Callable, Collection, Sequence
 
 import torch
 
-from dflash_train.data.generation import build_generator
-from dflash_train.data.sampling import Sampling
+from dflash_train.generate.engine import build_generator
+from dflash_train.generate.sampling import Sampling
 
 
 def pad_token_for(tokenizer, eos_token_ids: Collection[int]) -> int:

@@ -48,7 +48,7 @@ class EvalOptions:
     # tokens/s as a serving engine sees them), dynamic = HF dynamic cache (every target, slow on GPU),
     # auto = static where the target supports it, else dynamic (printed and in the report).
     decode_engine: str = "auto"
-    # Exact mode's greedy continuations (data/generation.py): slots, padded, or auto (slots where the
+    # Exact mode's greedy continuations (generate/engine.py): slots, padded, or auto (slots where the
     # target supports it).
     generation_engine: str = "auto"
     # Target and drafter dtype; auto = bfloat16 on GPU, float32 on CPU.

@@ -5,9 +5,9 @@ takes the next one, so a batch never waits for its longest row: the moment a row
 ``max_new_tokens``) its slot is refilled from the queue (continuous batching, as serving engines do).
 
 - Admission: the admitted prompts are prefilled together (left padded, the same forward as the
-  padded engine of ``data.sampling``, in groups of at most ``max_prefill_tokens``), their first
+  padded engine of ``generate.sampling``, in groups of at most ``max_prefill_tokens``), their first
   token is drawn from the prefill's logits, and their cache rows are copied into their slots of a
-  preallocated ``SlotCache`` (``data/slot_cache.py``): attention K/V per slot from index 0,
+  preallocated ``SlotCache`` (``generate/slot_cache.py``): attention K/V per slot from index 0,
   GatedDeltaNet conv/recurrent states per slot (fixed size, updated in place).
 - Decode step: one token for every slot, shape [S, 1] whatever the rows' lengths: position ids
   are each slot's own, K/V are written at each slot's own index, and a 4D mask shows slot r the
@@ -42,7 +42,7 @@ from collections.abc import Callable, Collection, Sequence
 
 import torch
 
-from dflash_train.data.sampling import (
+from dflash_train.generate.sampling import (
     Generation,
     Sampling,
     choose_tokens,
@@ -52,7 +52,7 @@ from dflash_train.data.sampling import (
     sample_batch,
     step_keys,
 )
-from dflash_train.data.slot_cache import SlotCache
+from dflash_train.generate.slot_cache import SlotCache
 
 # on_rows(num_rows_finished, num_tokens_generated), called as rows finish (progress bars).
 RowsCallback = Callable[[int, int], None]
@@ -408,7 +408,7 @@ def check_free_memory(prefill, num_slots: int, capacity: int, device: torch.devi
 
 
 class PaddedEngine:
-    """The padded-batch loop of ``data.sampling.sample_batch`` behind the engine interface (the fallback
+    """The padded-batch loop of ``generate.sampling.sample_batch`` behind the engine interface (the fallback
     for models the slot engine cannot run, and the baseline of the generation benchmark)."""
 
     name = "padded"

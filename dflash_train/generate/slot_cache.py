@@ -1,6 +1,6 @@
 """A preallocated per-slot cache for the generation engine: one row of every cache tensor per batch slot.
 
-The engine (``data/generation.py``) keeps ``S`` batch slots busy; a slot holds one prompt's row
+The engine (``generate/engine.py``) keeps ``S`` batch slots busy; a slot holds one prompt's row
 from its admission until it stops, then the next queued prompt takes it over. This cache gives every
 slot fixed storage, allocated once, so a decode step has one shape and can run as a CUDA graph:
 

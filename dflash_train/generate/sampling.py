@@ -1,6 +1,6 @@
-"""Per-row seeded token draws, and the padded-batch engine (the fallback of ``data/generation.py``).
+"""Per-row seeded token draws, and the padded-batch engine (the fallback of ``generate/engine.py``).
 
-``data/generation.py``'s slot engine is what synth, regen and the exact eval run; it draws every
+``generate/engine.py``'s slot engine is what synth, regen and the exact eval run; it draws every
 token with ``choose_tokens`` / ``row_uniforms`` below and runs ``left_pad``'s prefill. The loop
 here (``sample_batch``) is the simpler engine it replaced: the fallback for models the slot engine
 cannot run, and the reference its tests and the generation benchmark compare against.
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_train.data.anchors import shift_right_logical, splitmix64
+from dflash_train.hashing import shift_right_logical, splitmix64
 
 CHECK_EVERY = 4  # steps between host syncs that test "all rows done" and compact the batch
 MIN_ROWS_TO_COMPACT = 8
