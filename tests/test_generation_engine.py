@@ -102,7 +102,9 @@ def test_slots_equal_the_padded_engine_row_for_row(monkeypatch, target, sampling
 
 
 def test_one_engine_serves_calls_with_other_settings(target):
-    prompts = mixed_prompts(target.config.vocab_size, num_rows=6, seed=1)
+    # Prompts seed 2: with seed 1, one demo-shape row's sampled draw at step 8 lies within fp32
+    # rounding of a CDF boundary (the padded engine itself draws either token, by batch size).
+    prompts = mixed_prompts(target.config.vocab_size, num_rows=6, seed=2)
     stops = stop_ids_for(target, prompts)
     engine = SlotEngine(target, num_slots=4)
     for sampling, max_new_tokens in [(SAMPLED, 10), (GREEDY, 30), (SAMPLED, 1)]:
@@ -135,13 +137,19 @@ class Planted(torch.nn.Module):
         self.inner, self.where, self.config = model, where, model.config
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, **kwargs):
-        decoding = input_ids.shape[1] == 1 and attention_mask is not None and attention_mask.ndim == 4
+        # The engine's decode step: one token, a 4D mask (or one per layer type); a prefill's is 2D.
+        decoding = input_ids.shape[1] == 1 and (isinstance(attention_mask, dict) or attention_mask.ndim == 4)
         if decoding and self.where == "positions":
             position_ids = position_ids + 1
         if decoding and self.where == "mask":  # one more (stale) cache index visible
-            visible = attention_mask == 0
+            per_type = (
+                attention_mask if isinstance(attention_mask, dict) else {"full_attention": attention_mask}
+            )
+            bias = per_type["full_attention"]
+            visible = bias == 0
             visible[..., 1:] |= visible[..., :-1].clone()
-            attention_mask = torch.where(visible, 0.0, torch.finfo(attention_mask.dtype).min)
+            per_type["full_attention"] = torch.where(visible, 0.0, torch.finfo(bias.dtype).min)
+            attention_mask = per_type if isinstance(attention_mask, dict) else per_type["full_attention"]
         return self.inner(
             input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, **kwargs
         )

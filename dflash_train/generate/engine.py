@@ -42,6 +42,13 @@ from collections.abc import Callable, Collection, Sequence
 
 import torch
 
+from dflash_train.generate.decode_attention import (
+    DECODE_ATTENTIONS,
+    FLEX_BLOCK,
+    LiveBlockMask,
+    decoding_with,
+    default_decode_attention,
+)
 from dflash_train.generate.sampling import (
     Generation,
     Sampling,
@@ -100,6 +107,7 @@ class SlotEngine:
         kv_bucket: int | None = None,
         refill_fraction: float = 1 / 16,
         max_prefill_tokens: int = 32768,
+        decode_attention: str | None = None,
     ):
         problem = slot_engine_problem(model)
         if problem is not None:
@@ -111,15 +119,25 @@ class SlotEngine:
             )
         self.model = model
         self.device = next(model.parameters()).device
+        self.decode_attention = decode_attention or default_decode_attention(self.device)
+        if self.decode_attention not in DECODE_ATTENTIONS:
+            raise ValueError(
+                f"decode_attention={decode_attention!r}: use one of {', '.join(DECODE_ATTENTIONS)}"
+            )
+        layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
+        self.hybrid = "linear_attention" in layer_types
         self.dtype = next(model.parameters()).dtype
         self.num_slots = num_slots
         self.use_cuda_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
         self.check_every = check_every
         self.kv_bucket = kv_bucket or (256 if self.device.type == "cuda" else 64)
+        if self.decode_attention == "flex":  # the capacity must be whole BlockMask blocks
+            self.kv_bucket = math.lcm(self.kv_bucket, FLEX_BLOCK)
         self.refill_min = max(1, math.ceil(num_slots * refill_fraction))
         self.max_prefill_tokens = max_prefill_tokens
         self.cache: SlotCache | None = None
-        self.max_new_tokens = 0  # width of ``generated``
+        self.live_mask: LiveBlockMask | None = None  # flex: the per-step BlockMask over the cache
+        self.max_new_tokens = 0  # width of ``generated`` and ``hashed_steps``
         self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self.warmups: dict[tuple, int] = {}
         self.pool = None
@@ -134,6 +152,10 @@ class SlotEngine:
         self.done = torch.ones(slots, dtype=torch.bool, device=device)
         self.stopped = torch.zeros(slots, dtype=torch.bool, device=device)
         self.generated = torch.zeros(slots, 0, dtype=torch.long, device=device)
+        # Everything a captured graph reads is one of these engine buffers, refilled in place by each
+        # call (a graph replays the addresses it captured; a call's own tensors would be freed).
+        self.hashed_steps = step_keys(0, device)  # [N] the hash of each step index
+        self.stops = torch.full((1,), -1, dtype=torch.long, device=device)  # stop ids, padded with -1
 
     # -- the public call ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -150,11 +172,24 @@ class SlotEngine:
     ) -> list[Generation]:
         """Continue every prompt until a stop id or ``max_new_tokens``; ``keys`` seed each row's draws."""
         check_request(prompts, keys, max_new_tokens)
-        run = Run(self, prompts, keys, max_new_tokens, stop_ids, pad_id, sampling, on_rows)
+        self.set_stops(stop_ids)
+        run = Run(self, prompts, keys, max_new_tokens, pad_id, sampling, on_rows)
         run.loop()
         return run.results
 
     # -- buffers --------------------------------------------------------------------------------------
+    def set_stops(self, stop_ids: Collection[int]) -> None:
+        """Refill the stop-id buffer in place (grown, and the graphs dropped, for more ids)."""
+        stop_ids = sorted(stop_ids)
+        if len(stop_ids) > self.stops.numel():
+            self.drop_graphs()
+            self.stops = torch.full(
+                (1 << (len(stop_ids) - 1).bit_length(),), -1, dtype=torch.long, device=self.device
+            )
+        self.stops.fill_(-1)
+        if stop_ids:
+            self.stops[: len(stop_ids)] = torch.as_tensor(stop_ids, dtype=torch.long, device=self.device)
+
     def reserve(self, prefill, capacity: int, max_new_tokens: int) -> None:
         """A slot cache of at least ``capacity`` and token buffers of ``max_new_tokens`` (nothing occupied)."""
         capacity = round_up(capacity, self.kv_bucket)
@@ -163,9 +198,12 @@ class SlotEngine:
             self.cache = None  # free the old storage before allocating the new
             check_free_memory(prefill, self.num_slots, capacity, self.device)
             self.cache = SlotCache(prefill, capacity, self.positions)
+            if self.decode_attention == "flex":
+                self.live_mask = LiveBlockMask(self.positions, capacity)
         if self.max_new_tokens < max_new_tokens:
             self.drop_graphs()
             self.generated = torch.zeros(self.num_slots, max_new_tokens, dtype=torch.long, device=self.device)
+            self.hashed_steps = step_keys(max_new_tokens, self.device)
             self.max_new_tokens = max_new_tokens
 
     def drop_graphs(self) -> None:
@@ -174,75 +212,97 @@ class SlotEngine:
 
     # -- one decode step --------------------------------------------------------------------------------
     def step(self, spec: StepSpec) -> None:
-        """One token for every slot; on CUDA a graph per ``spec`` (after two eager warm-up steps)."""
+        """One token for every slot; on CUDA a graph per ``spec.key`` (after two eager warm-up steps)."""
         self.num_steps += 1
         if not self.use_cuda_graphs:
             return self.decode(spec)
         graph = self.graphs.get(spec.key)
-        if graph is not None:
-            return graph.replay()
-        if self.warmups.get(spec.key, 0) < 2:
-            # Warm-up steps are real steps, run eagerly on a side stream (lazy initialisation, kernel
-            # autotuning), so the state they advance is the state the loop expects.
-            self.warmups[spec.key] = self.warmups.get(spec.key, 0) + 1
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self.decode(spec)
-            torch.cuda.current_stream().wait_stream(stream)
-            return None
+        if graph is None:
+            if self.warmups.get(spec.key, 0) < 2:
+                self.warmups[spec.key] = self.warmups.get(spec.key, 0) + 1
+                return self.warm_up(spec)
+            graph = self.graphs[spec.key] = self.capture(spec)
+        return self.replay(graph, spec)
+
+    def warm_up(self, spec: StepSpec) -> None:
+        """A real step, run eagerly on a side stream (lazy initialisation, kernel autotuning, the
+        decode attention's compilation), so the state it advances is the state the loop expects."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.decode(spec)
+        torch.cuda.current_stream().wait_stream(stream)
+
+    def capture(self, spec: StepSpec) -> torch.cuda.CUDAGraph:
+        """The step recorded as a CUDA graph (recorded, not run). It reads engine buffers only."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.decode(spec)  # recorded, not run
-        self.graphs[spec.key] = graph
+            self.decode(spec)
+        return graph
+
+    def replay(self, graph: torch.cuda.CUDAGraph, spec: StepSpec) -> None:
+        """Run a captured step (``spec`` is what it was captured for; its key matched)."""
         graph.replay()
-        return None
 
     def decode(self, spec: StepSpec) -> None:
         """The step itself: only tensor ops on preallocated buffers (capturable)."""
         self.cache.set_kv_length(spec.kv_length)
-        index = torch.arange(spec.kv_length, device=self.device)
-        visible = index[None, :] <= self.positions[:, None]  # [S, kv]
-        bias = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
-        bias = bias.masked_fill(~visible, torch.finfo(self.dtype).min)[:, None, None]
-        out = self.model(
-            input_ids=self.tokens[:, None],
-            position_ids=self.positions[:, None],
-            attention_mask=bias,
-            past_key_values=self.cache,
-            use_cache=True,
-        )
+        with decoding_with(self.model):
+            out = self.model(
+                input_ids=self.tokens[:, None],
+                position_ids=self.positions[:, None],
+                attention_mask=self.decode_mask(spec.kv_length),
+                past_key_values=self.cache,
+                use_cache=True,
+            )
         running = ~self.done
         token = self.draw(out.logits[:, -1].float(), self.steps, spec)
         column = self.steps.clamp(max=spec.max_new_tokens - 1)[:, None]
         kept = self.generated.gather(1, column).squeeze(1)
         self.generated.scatter_(1, column, torch.where(running, token, kept)[:, None])
-        hit = running & is_stop(token, spec.stops)
+        hit = running & is_stop(token, self.stops)
         self.stopped |= hit
         self.steps += running.long()
         self.done |= hit | (self.steps >= spec.max_new_tokens)
         self.tokens.copy_(torch.where(running, token, self.tokens))
         self.positions += (~self.done).long()
 
+    def decode_mask(self, kv_length: int):
+        """What the decode attention reads (slot r sees cache indices <= its position): flex, a
+        BlockMask of each slot's live blocks; grouped, an additive bias [S, 1, 1, kv]. Hybrid models
+        take a mask per layer type (their GatedDeltaNet layers need none in a decode step)."""
+        if self.decode_attention == "flex":
+            mask = self.live_mask.build()
+        else:
+            index = torch.arange(kv_length, device=self.device)
+            hidden = index[None, :] > self.positions[:, None]  # [S, kv]
+            bias = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device)
+            mask = bias.masked_fill(hidden, torch.finfo(self.dtype).min)[:, None, None]
+        return {"full_attention": mask, "linear_attention": None} if self.hybrid else mask
+
+    def attended_length(self, bucket: int) -> int:
+        """Cache indices a step hands the attention: flex reads live blocks of the whole capacity
+        (one graph for every length); grouped reads the bucket above every running row."""
+        return self.cache.capacity if self.decode_attention == "flex" else bucket
+
     def draw(self, logits: torch.Tensor, steps: torch.Tensor, spec: StepSpec, streams=None) -> torch.Tensor:
         """Each row's token for its step ``steps`` [rows] from ``logits`` [rows, V]."""
         streams = self.streams if streams is None else streams
-        hashed = spec.hashed_steps[steps.clamp(max=spec.max_new_tokens - 1)]
+        hashed = self.hashed_steps[steps.clamp(max=spec.max_new_tokens - 1)]
         return choose_tokens(logits, row_uniforms(streams, hashed), spec.sampling)
 
 
 class StepSpec:
-    """What a decode step is specialised on (a graph per distinct ``key``)."""
+    """What a decode step is specialised on (a graph per distinct ``key``). Values only: the tensors
+    a step reads are the engine's buffers, never a call's."""
 
-    def __init__(self, kv_length: int, max_new_tokens: int, stops: torch.Tensor, sampling: Sampling, device):
+    def __init__(self, kv_length: int, max_new_tokens: int, num_stops: int, sampling: Sampling):
         self.kv_length = kv_length
         self.max_new_tokens = max_new_tokens
-        self.stops = stops
         self.sampling = sampling
-        self.hashed_steps = step_keys(max_new_tokens, device)
-        self.key = (kv_length, max_new_tokens, tuple(stops.tolist()), sampling)
+        self.key = (kv_length, max_new_tokens, num_stops, sampling.temperature, sampling.top_p)
 
     def with_kv_length(self, kv_length: int) -> StepSpec:
         spec = object.__new__(StepSpec)
@@ -253,17 +313,14 @@ class StepSpec:
 class Run:
     """One ``generate`` call: the queue, which row occupies which slot, and the collected results."""
 
-    def __init__(
-        self, engine: SlotEngine, prompts, keys, max_new_tokens, stop_ids, pad_id, sampling, on_rows
-    ):
+    def __init__(self, engine: SlotEngine, prompts, keys, max_new_tokens, pad_id, sampling, on_rows):
         self.engine = engine
         self.prompts = [list(p) for p in prompts]
         self.keys = list(keys)
         self.max_new_tokens = max_new_tokens
         self.pad_id = pad_id
         self.on_rows = on_rows
-        stops = torch.as_tensor(sorted(stop_ids) or [-1], dtype=torch.long, device=engine.device)
-        self.spec = StepSpec(0, max_new_tokens, stops, sampling, engine.device)
+        self.spec = StepSpec(0, max_new_tokens, engine.stops.numel(), sampling)
         self.results: list[Generation | None] = [None] * len(self.prompts)
         self.queue = deque(sorted(range(len(self.prompts)), key=lambda i: -len(self.prompts[i])))
         self.occupant: dict[int, int] = {}  # slot -> row
@@ -278,7 +335,7 @@ class Run:
             if self.queue and self.wants_refill():
                 self.admit()
             if self.max_new_tokens > 1:
-                spec = self.spec.with_kv_length(self.kv_length(engine.check_every))
+                spec = self.spec.with_kv_length(engine.attended_length(self.kv_length(engine.check_every)))
                 for _ in range(engine.check_every):
                     engine.step(spec)
                 for slot in self.occupant:
@@ -320,7 +377,7 @@ class Run:
             self.spec.sampling.seed, torch.as_tensor([self.keys[r] for r in rows], device=engine.device)
         )
         first = engine.draw(out.logits[:, -1].float(), torch.zeros_like(index), self.spec, streams)
-        hit = is_stop(first, self.spec.stops)
+        hit = is_stop(first, engine.stops)
         engine.streams[index] = streams
         engine.generated[index, 0] = first
         engine.tokens[index] = first

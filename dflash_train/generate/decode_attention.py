@@ -1,0 +1,144 @@
+"""Attention of one decode token per slot over that slot's live cache: GQA-native, no cache copies.
+
+transformers' sdpa path, given the slot cache's 4D mask, expands K and V from the key/value heads to
+the query heads (``repeat_kv``): every layer copied every slot's whole attended cache every step,
+73% of the slot engine's GPU time on one H200 (docs/performance.md). The two kernels here read the
+cache where it lies, [S, Hkv, C, D], and group the query heads of each key/value head instead
+(query head h reads key/value head h // G, transformers' convention):
+
+- ``flex``: PyTorch's FlexAttention with a ``BlockMask`` built from the slots' positions: slot r
+  lists only the cache blocks up to its position, so the decoding kernel reads the blocks the slot
+  really holds, whatever the capacity or the other slots' lengths (work per step scales with the
+  live tokens). Compiled on CUDA (the flex decoding kernel, GQA heads packed per key/value head);
+  the same call runs uncompiled elsewhere (slow, for tests).
+- ``grouped``: two batched matmuls over the attended indices (the engine's bucket) with an
+  additive mask [S, 1, 1, kv]: no copy either, but it reads the whole bucket and, in bf16, rounds
+  the scores to bf16. The CPU default (fp32), and the GPU comparison in the generation benchmark.
+
+Both are one function registered with transformers' attention interface (``SLOT_DECODE``) that
+dispatches on the mask it is handed; the engine switches a model to it for its decode steps only
+(``decoding_with``), prefill keeps the model's own implementation.
+
+Shapes: S slots, Hq query heads, Hkv key/value heads, G = Hq / Hkv, C capacity, D head dim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from transformers import AttentionInterface
+
+SLOT_DECODE = "dflash_slot_decode"
+DECODE_ATTENTIONS = ("flex", "grouped")
+FLEX_BLOCK = 128  # cache indices per BlockMask block (FlexAttention's default block size)
+
+
+def default_decode_attention(device: torch.device) -> str:
+    """flex on CUDA (compiled decoding kernel, live blocks only); grouped elsewhere (exact in fp32)."""
+    return "flex" if device.type == "cuda" else "grouped"
+
+
+def slot_decode_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | BlockMask | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract: [S, Hq, 1, D] queries -> ([S, 1, Hq, D], None)."""
+    assert query.shape[2] == 1, "the slot decode attention takes one query token per slot"
+    assert dropout == 0.0 and kwargs.get("sliding_window") is None, "decode only, full attention only"
+    if isinstance(attention_mask, BlockMask):
+        out = flex_kernel(query.device.type)(
+            query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=True
+        )
+    elif isinstance(attention_mask, torch.Tensor):
+        out = grouped_attention(query, key, value, attention_mask, scaling)
+    else:
+        raise TypeError("the slot decode attention needs the engine's mask (a BlockMask or a 4D bias)")
+    return out.transpose(1, 2), None
+
+
+def grouped_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    """Softmax attention with the G query heads of a key/value head batched on it: [S, Hq, 1, D]."""
+    slots, num_heads, _, head_dim = query.shape
+    groups = key.shape[1]
+    scale = head_dim**-0.5 if scaling is None else scaling
+    grouped = query.view(slots, groups, num_heads // groups, head_dim)  # [S, Hkv, G, D]
+    # key is a view of the slot storage; merging S and Hkv keeps it a view (no copy for the bmm).
+    scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * scale  # [S, Hkv, G, kv]
+    probs = torch.softmax(scores + bias.float(), dim=-1).to(value.dtype)
+    return torch.matmul(probs, value).view(slots, num_heads, 1, head_dim)
+
+
+@functools.cache
+def flex_kernel(device_type: str):
+    """FlexAttention, compiled on CUDA (one compilation per shape, reused by every captured graph)."""
+    if device_type == "cuda":
+        return torch.compile(flex_attention, dynamic=False)
+    return flex_attention
+
+
+class LiveBlockMask:
+    """Builds, each step, the BlockMask that shows slot r its cache indices 0..positions[r].
+
+    ``positions`` is the engine's own buffer (refilled in place), so the mask function reads live
+    values in eager steps and in every replay of a captured graph. Only tensor ops, no host sync.
+    """
+
+    def __init__(self, positions: torch.Tensor, capacity: int):
+        if capacity % FLEX_BLOCK:
+            raise ValueError(
+                f"flex decode needs a capacity that is a multiple of {FLEX_BLOCK}, got {capacity}"
+            )
+        self.positions, self.capacity = positions, capacity
+        self.num_blocks = capacity // FLEX_BLOCK
+        self.extra = {"compute_q_blocks": False} if "compute_q_blocks" in FROM_KV_BLOCKS_PARAMETERS else {}
+
+    def mask_mod(self, batch, head, q_index, kv_index):
+        return kv_index <= self.positions[batch]
+
+    def build(self) -> BlockMask:
+        slots = self.positions.shape[0]
+        kv_num_blocks = (self.positions // FLEX_BLOCK + 1).to(torch.int32)[:, None, None]  # [S, 1, 1]
+        kv_indices = torch.arange(self.num_blocks, dtype=torch.int32, device=self.positions.device)
+        kv_indices = kv_indices.expand(slots, 1, 1, self.num_blocks)
+        return BlockMask.from_kv_blocks(
+            kv_num_blocks,
+            kv_indices,
+            BLOCK_SIZE=FLEX_BLOCK,
+            mask_mod=self.mask_mod,
+            seq_lengths=(1, self.capacity),
+            **self.extra,
+        )
+
+
+FROM_KV_BLOCKS_PARAMETERS = set(inspect.signature(BlockMask.from_kv_blocks).parameters)
+
+
+@functools.cache
+def register() -> None:
+    """Make ``SLOT_DECODE`` a name transformers' attention layers resolve (once per process)."""
+    AttentionInterface.register(SLOT_DECODE, slot_decode_attention)
+
+
+@contextlib.contextmanager
+def decoding_with(model: torch.nn.Module):
+    """Inside: the model's attention layers call ``slot_decode_attention``; the old name is restored."""
+    register()
+    config = model.config
+    previous = config._attn_implementation
+    config._attn_implementation = SLOT_DECODE
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous

@@ -1,0 +1,188 @@
+"""The slot engine's decode attention: equal to a slow reference, no copy of the cache, and
+captured graphs that read only the engine's own buffers.
+
+- Both kernels (``flex`` with a BlockMask of each slot's live blocks, ``grouped`` matmuls) equal
+  transformers' reference (K/V expanded to the query heads, softmax attention over indices <= each
+  slot's position) on random GQA inputs, and the engine on either gives the padded engine's tokens.
+- One decode step of a tiny target with a large cache copies a small fraction of the attended K/V
+  (transformers' sdpa under a 4D mask expanded K/V to the query heads: a copy of the whole cache).
+- A stand-in graph records the tensors a step reads that were allocated outside it; a replay must
+  read the same ones (a real CUDA graph replays captured addresses, so a call's own tensors, freed
+  when the call ends, would be read after free by the next call's replays).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers.models.llama.modeling_llama import repeat_kv
+
+from dflash_train.generate.decode_attention import FLEX_BLOCK, LiveBlockMask, slot_decode_attention
+from dflash_train.generate.engine import PaddedEngine, SlotEngine
+from dflash_train.generate.sampling import Sampling
+from dflash_train.tiny import build_tiny_target, sharpen
+
+pytestmark = pytest.mark.usefixtures("one_thread_module")
+
+GREEDY, SAMPLED = Sampling(), Sampling(temperature=0.7, top_p=0.9, seed=3)
+
+
+class Heads(torch.nn.Module):
+    num_key_value_groups = 3
+
+
+def reference_attention(query, key, value, positions):
+    """transformers' eager attention with K/V repeated to the query heads: [S, 1, Hq, D]."""
+    key, value = repeat_kv(key, 3), repeat_kv(value, 3)
+    scores = query @ key.transpose(-1, -2) * query.shape[-1] ** -0.5  # [S, Hq, 1, C]
+    hidden = torch.arange(key.shape[2])[None, :] > positions[:, None]
+    scores = scores.masked_fill(hidden[:, None, None], float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ value).transpose(1, 2)
+
+
+def test_both_kernels_equal_the_reference_on_ragged_lengths():
+    torch.manual_seed(0)
+    slots, kv_heads, capacity, dim = 5, 2, 2 * FLEX_BLOCK, 16
+    query = torch.randn(slots, 3 * kv_heads, 1, dim)
+    key, value = torch.randn(2, slots, kv_heads, capacity, dim)
+    positions = torch.tensor([0, 5, FLEX_BLOCK - 1, FLEX_BLOCK, capacity - 1])
+    want = reference_attention(query, key, value, positions)
+    bias = torch.zeros(slots, capacity).masked_fill(
+        torch.arange(capacity)[None, :] > positions[:, None], torch.finfo(torch.float32).min
+    )[:, None, None]
+    grouped, _ = slot_decode_attention(Heads(), query, key, value, bias)
+    flex, _ = slot_decode_attention(Heads(), query, key, value, LiveBlockMask(positions, capacity).build())
+    torch.testing.assert_close(grouped, want)
+    torch.testing.assert_close(flex, want)
+    assert grouped.shape == (slots, 1, 3 * kv_heads, dim)
+
+
+def test_the_live_block_mask_lists_only_each_slots_blocks():
+    positions = torch.tensor([0, FLEX_BLOCK, 3 * FLEX_BLOCK - 1])
+    mask = LiveBlockMask(positions, 4 * FLEX_BLOCK).build()
+    assert mask.kv_num_blocks.flatten().tolist() == [1, 2, 3]
+    with pytest.raises(ValueError, match="multiple of 128"):
+        LiveBlockMask(positions, 100)
+
+
+def mixed_prompts(vocab_size: int, num_rows: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 20, (num_rows,), generator=gen).tolist()
+    return [torch.randint(1, vocab_size, (n,), generator=gen).tolist() for n in lengths]
+
+
+def generate(engine, prompts, sampling, max_new_tokens=20, stop_ids=frozenset({7})):
+    keys = [100 + i for i in range(len(prompts))]
+    return engine.generate(
+        prompts, keys, max_new_tokens=max_new_tokens, stop_ids=stop_ids, pad_id=0, sampling=sampling
+    )
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "hybrid"])
+@pytest.mark.parametrize("decode_attention", ["flex", "grouped"])
+def test_the_engine_on_either_kernel_gives_the_padded_engines_tokens(kind, decode_attention):
+    model = sharpen(build_tiny_target(kind, vocab_size=64, seed=1))
+    prompts = mixed_prompts(64, num_rows=7, seed=0)
+    engine = SlotEngine(model, num_slots=3, decode_attention=decode_attention)
+    for sampling in (GREEDY, SAMPLED):
+        assert generate(engine, prompts, sampling) == generate(
+            PaddedEngine(model, num_slots=7), prompts, sampling
+        )
+
+
+def test_an_unknown_kernel_is_refused():
+    with pytest.raises(ValueError, match="use one of flex, grouped"):
+        SlotEngine(build_tiny_target("qwen3", vocab_size=64), num_slots=2, decode_attention="paged")
+
+
+COPIES = {"copy_", "clone", "_to_copy", "cat", "index", "index_select", "_reshape_copy", "contiguous"}
+
+
+class CountCopies(TorchDispatchMode):
+    """Bytes written by copying ops (K/V expansion shows up as a clone or a copy)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in COPIES:
+            for tensor in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(tensor, torch.Tensor):
+                    self.bytes += tensor.numel() * tensor.element_size()
+        return out
+
+
+def test_a_decode_step_copies_a_small_fraction_of_the_cache(monkeypatch):
+    """Tiny qwen3 target (4 query / 2 key-value heads), 16 slots, 300-token prompts: each decode
+    step attends ~16 x 320 cache indices per layer; it must copy < 5% of that K/V."""
+    model = build_tiny_target("qwen3", vocab_size=64, seed=1)
+    prompts = [list(range(1, 61)) * 5] * 16
+    engine = SlotEngine(model, num_slots=16)
+    counted = []
+    real_decode = engine.decode
+
+    def counting_decode(spec):
+        with CountCopies() as counter:
+            real_decode(spec)
+        attention_layers = [layer for layer in engine.cache.layers if hasattr(layer, "keys")]
+        attended = sum(2 * layer.keys[:, :, : spec.kv_length].numel() * 4 for layer in attention_layers)
+        counted.append(counter.bytes / attended)
+
+    monkeypatch.setattr(engine, "decode", counting_decode)
+    generate(engine, prompts, GREEDY, max_new_tokens=8, stop_ids=frozenset())
+    assert counted and max(counted) < 0.05, counted
+
+
+class StandInGraph:
+    """Records, at capture, the tensors a step reads that it did not allocate (their addresses)."""
+
+    def __init__(self):
+        self.read: set[tuple] = set()
+
+
+class RecordReads(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.made: set[int] = set()
+        self.read: set[tuple] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        flat = [*args, *(kwargs or {}).values()]
+        flat = [t for item in flat for t in (item if isinstance(item, (list, tuple)) else [item])]
+        for tensor in flat:
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() not in self.made:
+                self.read.add((tensor.untyped_storage().data_ptr(), tuple(tensor.shape)))
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor):
+                self.made.add(tensor.untyped_storage().data_ptr())
+        return out
+
+
+def test_captured_graphs_read_only_buffers_that_outlive_the_call(monkeypatch):
+    model = sharpen(build_tiny_target("hybrid", vocab_size=64, seed=1))
+    prompts = mixed_prompts(64, num_rows=5, seed=1)
+    engine = SlotEngine(model, num_slots=2, use_cuda_graphs=True)
+    replays = []
+
+    def capture(spec):
+        graph = StandInGraph()
+        with RecordReads() as recorder:
+            engine.decode(spec)
+        graph.read = recorder.read
+        return graph
+
+    def replay(graph, spec):
+        with RecordReads() as recorder:
+            engine.decode(spec)
+        replays.append(recorder.read == graph.read)
+
+    monkeypatch.setattr(engine, "warm_up", engine.decode)
+    monkeypatch.setattr(engine, "capture", capture)
+    monkeypatch.setattr(engine, "replay", replay)
+    for _ in range(2):  # the second call replays the first call's graphs
+        generate(engine, prompts, SAMPLED, stop_ids=frozenset({7, 9}))
+    assert replays and all(replays), f"{replays.count(False)} of {len(replays)} replays read other tensors"
