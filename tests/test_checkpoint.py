@@ -3,6 +3,7 @@ import torch
 
 from dflash_train.models.export import read_dcp_model_state
 from dflash_train.train import checkpoint as ckpt
+from dflash_train.train import resume_check
 
 
 def linear_state(value: float):
@@ -90,8 +91,8 @@ def test_resume_compatibility_names_the_key_and_the_fix():
     with pytest.raises(
         ValueError, match=r"drafter.block_size: checkpoint 16 -> now 8.*allow_changed=\[drafter.block_size\]"
     ):
-        ckpt.check_resume_compatible(saved, now, [])
-    ckpt.check_resume_compatible(saved, now, ["drafter.block_size"])
+        resume_check.check_resume_compatible(saved, now, [])
+    resume_check.check_resume_compatible(saved, now, ["drafter.block_size"])
 
 
 def test_resume_compares_the_resolved_drafter_config():
@@ -101,16 +102,16 @@ def test_resume_compares_the_resolved_drafter_config():
     with pytest.raises(
         ValueError, match=r"drafter_config.dflash_config.mask_token_id: checkpoint 7 -> now 9"
     ):
-        ckpt.check_resume_compatible(recipe, recipe, [], saved_drafter=saved, current_drafter=now)
+        resume_check.check_resume_compatible(recipe, recipe, [], saved_drafter=saved, current_drafter=now)
     allowed = ["drafter_config.dflash_config.mask_token_id"]
-    ckpt.check_resume_compatible(recipe, recipe, allowed, saved_drafter=saved, current_drafter=now)
+    resume_check.check_resume_compatible(recipe, recipe, allowed, saved_drafter=saved, current_drafter=now)
 
 
 def test_every_drafter_key_but_init_from_is_checked():
     saved = {"drafter": {"head_dim": 128, "init_from": "a"}}
     with pytest.raises(ValueError, match=r"drafter.head_dim: checkpoint 128 -> now 64"):
-        ckpt.check_resume_compatible(saved, {"drafter": {"head_dim": 64, "init_from": "a"}}, [])
-    ckpt.check_resume_compatible(saved, {"drafter": {"head_dim": 128, "init_from": "b"}}, [])
+        resume_check.check_resume_compatible(saved, {"drafter": {"head_dim": 64, "init_from": "a"}}, [])
+    resume_check.check_resume_compatible(saved, {"drafter": {"head_dim": 128, "init_from": "b"}}, [])
 
 
 @pytest.mark.parametrize(
@@ -130,15 +131,15 @@ def test_resume_refuses_what_changes_the_features_tokens_rows_or_numerics(key, s
     section, name = key.split(".")
     saved, now = {section: {name: saved_value}}, {section: {name: new_value}}
     with pytest.raises(ValueError, match=rf"{key}: checkpoint {saved_value!r} -> now {new_value!r}"):
-        ckpt.check_resume_compatible(saved, now, [])
-    ckpt.check_resume_compatible(saved, now, [key])
+        resume_check.check_resume_compatible(saved, now, [])
+    resume_check.check_resume_compatible(saved, now, [key])
 
 
 def test_a_key_the_checkpoint_predates_counts_as_its_default():
     """A recipe written before data.packing existed was trained without packing."""
-    ckpt.check_resume_compatible({"data": {}}, {"data": {"packing": False}}, [])
+    resume_check.check_resume_compatible({"data": {}}, {"data": {"packing": False}}, [])
     with pytest.raises(ValueError, match=r"data.packing: checkpoint False -> now True"):
-        ckpt.check_resume_compatible({"data": {}}, {"data": {"packing": True}}, [])
+        resume_check.check_resume_compatible({"data": {}}, {"data": {"packing": True}}, [])
 
 
 def test_state_shape_mismatch_becomes_a_value_error(tmp_path):

@@ -368,7 +368,7 @@ def test_a_loss_setting_the_chosen_options_ignore_warns():
 
 def test_resume_refuses_a_changed_objective_unless_allowed():
     from dflash_train.config import load_config
-    from dflash_train.train.checkpoint import check_resume_compatible
+    from dflash_train.train.resume_check import check_resume_compatible
 
     saved = load_config("tiny-cpu", ["output_dir=/tmp/x"]).to_dict()
     now = load_config(

@@ -63,7 +63,7 @@ def init_from_export(drafter: nn.Module, draft_config, path: str) -> None:
     or layer types would load and then silently learn (and serve) something else.
     """
     from dflash_train.models.export import load_drafter
-    from dflash_train.train.checkpoint import changed_drafter_config
+    from dflash_train.train.resume_check import changed_drafter_config
 
     loaded, loaded_config = load_drafter(path, device="cpu", dtype=torch.float32)
     changed = changed_drafter_config(loaded_config.to_serving_dict(), draft_config.to_serving_dict(), "")

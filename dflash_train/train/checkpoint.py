@@ -19,20 +19,18 @@ that is ignored. With ``checkpoint.async_write`` the shards are written by ``dcp
 a staged CPU copy and the commit runs on a background thread; the next save and the exit wait.
 
 Older checkpoints (``drafter.safetensors`` with the full optimizer inside ``state.pt``, written by
-rank 0 alone) still resume and export; ``load_checkpoint`` tells the two apart.
+rank 0 alone) still resume and export; ``load_checkpoint`` tells the two apart. What a resume may
+change of the recipe and the drafter is checked in ``resume_check.py``.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import os
 import re
 import shutil
 import time
-import typing
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -42,49 +40,12 @@ import torch.distributed as dist
 import yaml
 from safetensors.torch import load_file
 
-from dflash_train.config import RunConfig
 from dflash_train.models.export import DCP_DIR_NAME, checkpoint_tensor_shapes, quiet_single_process_dcp
 
 COMMIT_MARKER = "COMMITTED"
 STATE_NAME = "state.pt"
 LEGACY_WEIGHTS_NAME = "drafter.safetensors"
 STEP_DIR = re.compile(r"^step-(\d+)$")
-# Recipe keys that change what is learned; a resume with a different value is refused unless allowed.
-RESUME_CRITICAL = (
-    "drafter.block_size",
-    "train.num_anchors",
-    "train.gamma",
-    "train.loss",
-    "train.kl_weight",
-    "train.kl_topk",
-    "train.loss_weighting",
-    "train.dpace_alpha",
-    "target.path",
-    "target.target_layer_ids",
-    "target.num_target_features",
-    "data.seq_buckets",
-    "data.token_budget",
-    "train.max_steps",
-    "train.num_epochs",
-    "train.grad_accum",
-    "train.lr_schedule",
-    "train.seed",
-    "train.anchors_per_token",  # anchors of a packed row
-    "train.dtype",  # the drafter's compute dtype
-    "target.dtype",  # the features the drafter learns from
-    "target.fp8",
-    "data.thinking",  # another chat-template rendering: other tokens
-    "data.overlong",  # other rows and another epoch plan
-    "data.packing",
-    "data.pack_window",
-)
-# drafter.* keys that do not change the drafter a resume continues (its weights come from the
-# checkpoint, not from init_from). Every other drafter.* key is architecture or semantics.
-DRAFTER_KEYS_NOT_CHECKED = ("init_from",)
-# Keys of drafter_config.json that may differ on resume: the compute dtype, not the architecture.
-SERVING_KEYS_NOT_CHECKED = ("torch_dtype", "dtype")
-# Recipe keys whose change is allowed with a warning.
-RESUME_WARN_ONLY = ("data.paths",)
 
 
 def checkpoints_root(output_dir: str | Path) -> Path:
@@ -367,100 +328,6 @@ def load_sharded_state(
     dcp.load(state, checkpoint_id=str(source / DCP_DIR_NAME), process_group=group, no_dist=single)
     module = model if uses_fsdp(model) else unwrap(model)
     set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-
-
-_ABSENT = object()
-
-
-def _lookup(tree: dict[str, Any], dotted: str) -> Any:
-    """The value of a dotted key of a recipe dict; a key the recipe lacks (written before the key
-    existed) has the key's default, which is how the options added since then keep the old behaviour."""
-    node: Any = tree
-    for part in dotted.split("."):
-        node = node.get(part, _ABSENT) if isinstance(node, dict) else _ABSENT
-    return recipe_default(dotted) if node is _ABSENT else node
-
-
-def recipe_default(dotted: str) -> Any:
-    """The default of ``section.key`` in the recipe's dataclasses, or None for a required or unknown key."""
-    section, _, name = dotted.partition(".")
-    section_type = typing.get_type_hints(RunConfig).get(section)
-    for f in dataclasses.fields(section_type) if dataclasses.is_dataclass(section_type) else ():
-        if f.name == name and f.default is not dataclasses.MISSING:
-            return f.default
-        if f.name == name and f.default_factory is not dataclasses.MISSING:
-            return f.default_factory()
-    return None
-
-
-def resume_checked_keys(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """RESUME_CRITICAL plus every ``drafter.*`` key of either recipe (but init_from)."""
-    names = set(saved.get("drafter") or {}) | set(current.get("drafter") or {})
-    drafter = [f"drafter.{n}" for n in sorted(names) if n not in DRAFTER_KEYS_NOT_CHECKED]
-    return [*RESUME_CRITICAL, *(k for k in drafter if k not in RESUME_CRITICAL)]
-
-
-def _flatten(tree: dict[str, Any], prefix: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
-def changed_drafter_config(
-    saved: dict[str, Any], current: dict[str, Any], prefix: str = "drafter_config."
-) -> dict[str, tuple[Any, Any]]:
-    """Keys of two drafter serving configs (``drafter_config.json``) that differ, as
-    ``<prefix><key>`` -> (saved, current); nested keys are dotted, the dtype keys are skipped."""
-    old, new = _flatten(saved, prefix), _flatten(current, prefix)
-    skip = tuple(f"{prefix}{k}" for k in SERVING_KEYS_NOT_CHECKED)
-    return {
-        key: (old.get(key), new.get(key))
-        for key in sorted(set(old) | set(new))
-        if key not in skip and old.get(key) != new.get(key)
-    }
-
-
-def check_resume_compatible(
-    saved: dict[str, Any],
-    current: dict[str, Any],
-    allow_changed: list[str],
-    *,
-    saved_drafter: dict[str, Any] | None = None,
-    current_drafter: dict[str, Any] | None = None,
-) -> None:
-    """Refuse to resume when a result-changing recipe knob, or the resolved drafter, differs.
-
-    ``saved``/``current`` are recipe dicts; ``saved_drafter``/``current_drafter`` the drafter's serving
-    config as saved in the checkpoint and as resolved now (it catches changes that come from the
-    target or a preset, not from the recipe). A changed ``data.paths`` only warns.
-    """
-    changed = {
-        key: (_lookup(saved, key), _lookup(current, key))
-        for key in resume_checked_keys(saved, current)
-        if _lookup(saved, key) != _lookup(current, key)
-    }
-    if saved_drafter is not None and current_drafter is not None:
-        changed.update(changed_drafter_config(saved_drafter, current_drafter))
-    refused = {k: v for k, v in changed.items() if k not in allow_changed}
-    if refused:
-        keys = ",".join(refused)  # no spaces: the override is pasted into a shell as one word
-        details = "; ".join(f"{k}: checkpoint {old!r} -> now {new!r}" for k, (old, new) in refused.items())
-        raise ValueError(
-            f"refusing to resume: {details}. The checkpoint holds a drafter trained with the old values. "
-            f"Restore them, start a new output_dir (drafter.init_from=<an export> starts from its weights), "
-            f"or allow the change with checkpoint.allow_changed=[{keys}] (a change of shape still cannot load)."
-        )
-    for key in RESUME_WARN_ONLY:
-        if _lookup(saved, key) != _lookup(current, key):
-            warnings.warn(
-                f"resuming with a changed {key}: checkpoint {_lookup(saved, key)!r} -> now "
-                f"{_lookup(current, key)!r}; the saved data position (epoch, batch) is applied to the new data.",
-                stacklevel=2,
-            )
 
 
 def load_model_state(

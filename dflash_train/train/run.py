@@ -27,6 +27,7 @@ from torch import nn
 from dflash_train.config import RunConfig
 from dflash_train.train import checkpoint as ckpt
 from dflash_train.train import checkpoint_space as space
+from dflash_train.train import resume_check
 from dflash_train.train.builders import build_scheduler
 from dflash_train.train.faults import any_rank_flags
 from dflash_train.train.logging import MetricsLogger, log_main
@@ -293,7 +294,7 @@ def maybe_resume(run: Run) -> None:
     if path is None:
         return
     loaded = ckpt.load_checkpoint(path)
-    ckpt.check_resume_compatible(
+    resume_check.check_resume_compatible(
         loaded["config"],
         run.cfg.to_dict(),
         run.cfg.checkpoint.allow_changed,
