@@ -83,6 +83,11 @@ class TrainConfig:
     num_epochs: int = 1
     # Stop after this many optimizer steps; 0 = run num_epochs.
     max_steps: int = 0
+    # Training in several sittings (docs/training.md): end this process at a step boundary, with a
+    # checkpoint, before this many seconds since training started (0 = no limit), or after this many
+    # steps of it (0 = no limit); the run is not finished and the same command continues it.
+    time_limit_s: float = 0.0
+    steps_per_process: int = 0
     grad_accum: int = 1
     seed: int = 0
     # Parameters/compute dtype of the drafter (master weights and optimizer state stay fp32).
@@ -256,6 +261,7 @@ def validate(cfg: RunConfig) -> None:
         )
     validate_loss_options(t)
     validate_eval(cfg.eval, t)
+    validate_sittings(cfg)
     if t.gamma < 0 or t.loss_chunk_tokens < 1 or t.sdpa_anchor_chunk < 1:
         raise ValueError(
             "train.gamma must be >= 0 (0 = default), train.loss_chunk_tokens and train.sdpa_anchor_chunk >= 1."
@@ -273,6 +279,23 @@ def validate_packing(cfg: RunConfig) -> None:
         raise ValueError(
             "data.packing=true is not supported with train.placement=split yet (the feature stream does not "
             "carry conversation boundaries); use train.placement=colocated or data.packing=false."
+        )
+
+
+def validate_sittings(cfg: RunConfig) -> None:
+    """train.time_limit_s / steps_per_process: a run in several processes continues its checkpoints."""
+    t = cfg.train
+    if t.time_limit_s < 0 or t.steps_per_process < 0:
+        raise ValueError("train.time_limit_s and train.steps_per_process must be >= 0 (0 = no limit).")
+    if (t.time_limit_s or t.steps_per_process) and t.placement == "split":
+        raise NotImplementedError(
+            "train.time_limit_s / train.steps_per_process with train.placement=split: not implemented; use "
+            "train.placement=colocated, or end split sittings with SIGTERM (saves at the step boundary)."
+        )
+    if (t.time_limit_s or t.steps_per_process) and cfg.checkpoint.resume == "never":
+        raise ValueError(
+            "train.time_limit_s / train.steps_per_process with checkpoint.resume=never: the next sitting "
+            "would start the run again; use checkpoint.resume=auto (the default)."
         )
 
 

@@ -8,6 +8,8 @@ one small all-reduce per step (``step.optimizer_update``).
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,7 @@ from dflash_train.train.run import (
     total_steps,
     write_run_info,
 )
+from dflash_train.train.sitting import Sitting, append_sitting, stop_message
 from dflash_train.train.step import (
     LogWindow,
     drafter_forward_backward,
@@ -56,51 +59,85 @@ from dflash_train.train.step_timer import PhaseTimer
 
 def train_colocated(cfg: RunConfig, hooks: TrainHooks) -> dict[str, Any]:
     """Build the run, then loop over optimizer steps until done, stopped or failed."""
+    clock = hooks.clock or time.monotonic
+    started = clock()  # the sitting's time limit counts the build and the resume too
     use_expandable_segments()
     info = init_distributed(cfg.train.device, timeout_s=cfg.train.dist_timeout_s)
     run = build_run(cfg, info)
     logger = open_logger(run)
+    sitting = Sitting.begin(run, started, clock)
     # A SIGTERM after the loop (the run's last step done) must not cut the last checkpoint's commit
     # or the export in half: it is deferred until both are written, then the run exits as usual.
     with GracefulStop() as late:
         try:
-            last_loss, saved = train_loop(run, hooks, logger)
+            last_loss, saved = train_loop(run, hooks, logger, sitting)
         finally:
             run.writer.close()  # the last checkpoint is committed before the export and the exit
+        export_started = clock()
         export = export_final(run) if run.step >= run.total_steps else None
     report_deferred_stop(late)
     logger.close()
-    return run_result(run, logger, last_loss, saved, export)
+    end_sitting(run, sitting, clock() - export_started if export else None)
+    return run_result(run, logger, last_loss, saved, export, stopped=sitting.stopped)
 
 
-def train_loop(run: Run, hooks: TrainHooks, logger: MetricsLogger) -> tuple[float, Path | None]:
+def train_loop(
+    run: Run, hooks: TrainHooks, logger: MetricsLogger, sitting: Sitting
+) -> tuple[float, Path | None]:
     """Optimizer steps until done or a collective stop: step, (eval,) log, save."""
     timer, window = PhaseTimer(run.info.device), LogWindow(run.step)
     last_loss, saved = float("nan"), None
-    heldout = build_heldout_eval(run)  # None without eval.prompts
+    heldout = sitting.timed("eval_setup_s", lambda: build_heldout_eval(run))  # None without eval.prompts
+    vote = sitting_vote(run, sitting, heldout)
     stacks = Path(run.cfg.output_dir) / "watchdog-stacks.txt"
     with GracefulStop() as stop, Watchdog(run.cfg.train.watchdog_s, stacks) as watchdog:
         while run.step < run.total_steps:
             watchdog.beat(run.step)
-            result = train_step(run, timer, hooks, stop_requested=lambda: stop.requested)
+            sitting.begin_step()
+            result = train_step(run, timer, hooks, stop_requested=lambda: stop.requested or vote())
             window.add(result)
             stopping = result["stop"]  # agreed by all ranks inside the step
             evaluating = heldout is not None and heldout.due(run, stopping)  # same on every rank
             if window.due(run, stopping) or evaluating:
                 row = window.row(run, result, timer)
                 if evaluating:
-                    row.update(evaluate_heldout(run, heldout))
+                    row.update(sitting.timed("eval_s", lambda: evaluate_heldout(run, heldout)))
                     window.reset(run.step)  # the evaluation's time is not training throughput
                 last_loss = row["loss"]
                 logger.log(run.step, row)
             logger.advance(run.step)
             if save_due(run, stopping):
-                saved = save(run)
+                save_started = sitting.clock()
+                saved = sitting.timed("save_s", lambda: save(run))
             if stopping:
-                log_main(f"SIGTERM: saved {saved} at step {run.step}; exiting")
+                sitting.stopped = sitting.stopped or ("signal" if stop.requested else "another_rank")
+                log_main(stop_message(sitting.stopped, saved, run.step, run.total_steps))
                 break
+            sitting.end_step()
     settle_saves(run)  # the last save's failure, if any, stops every rank here, before the export
+    if sitting.stopped:  # the final save, waited for: what the next sitting reserves for its own
+        sitting.measured["save_s"] = sitting.clock() - save_started
     return last_loss, saved
+
+
+def sitting_vote(run: Run, sitting: Sitting, heldout) -> Callable[[], bool]:
+    """This rank's vote on ending the sitting after the step in progress (``train.time_limit_s``,
+    ``train.steps_per_process``); read at the end of the step, like SIGTERM."""
+    every_eval, every_save = run.cfg.eval.every_steps, run.cfg.checkpoint.every_steps
+
+    def eval_due(step: int) -> bool:
+        return heldout is not None and (
+            step == run.total_steps or (every_eval > 0 and step % every_eval == 0)
+        )
+
+    return lambda: sitting.wants_stop(run.step + 1, eval_due, lambda step: step % every_save == 0)
+
+
+def end_sitting(run: Run, sitting: Sitting, export_s: float | None) -> None:
+    """Rank 0 appends this process's row to ``sittings.jsonl``."""
+    row = sitting.record(run, export_s)
+    if run.info.is_main:
+        append_sitting(run.cfg.output_dir, row)
 
 
 def train_step(

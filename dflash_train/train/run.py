@@ -40,10 +40,12 @@ class NonFiniteError(RuntimeError):
 
 @dataclass
 class TrainHooks:
-    """Test seams: called after backward (e.g. to inject a NaN) and after each optimizer step."""
+    """Test seams: called after backward (e.g. to inject a NaN) and after each optimizer step;
+    ``clock`` replaces ``time.monotonic`` for the sitting's time limit (``train/sitting.py``)."""
 
     after_backward: Callable[[Run], None] | None = None
     after_step: Callable[[Run], None] | None = None
+    clock: Callable[[], float] | None = None
 
 
 @dataclass
@@ -129,11 +131,22 @@ def save_due(run: Run, stopping: bool) -> bool:
 
 
 def run_result(
-    run: Run, logger: MetricsLogger, last_loss: float, saved: Path | None, export: Path | None
+    run: Run,
+    logger: MetricsLogger,
+    last_loss: float,
+    saved: Path | None,
+    export: Path | None,
+    stopped: str | None = None,
 ) -> dict[str, Any]:
-    """What ``train()`` returns: the step reached, the last logged loss and tau, checkpoint, export."""
+    """What ``train()`` returns: the step reached of the run's total, whether the run is finished (an
+    unfinished one continues with the same command), why this process stopped early (``stopped``:
+    ``time_limit``, ``steps_per_process``, ``signal``; None otherwise), the last logged loss and tau,
+    checkpoint, export."""
     return {
         "step": run.step,
+        "total_steps": run.total_steps,
+        "finished": run.step >= run.total_steps,
+        "stopped": stopped,
         "loss": last_loss,
         "tau": logger.last.get("tau"),
         "checkpoint": str(saved) if saved else None,

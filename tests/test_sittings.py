@@ -1,0 +1,164 @@
+"""Training in several sittings: ``train.steps_per_process`` / ``train.time_limit_s`` end a process at
+a step boundary with a checkpoint and ``finished: false``; the same command continues the run, and
+the sittings together give the per-step losses of one uninterrupted run, bit for bit on CPU."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_train.config import load_config
+from dflash_train.train import checkpoint as ckpt
+from dflash_train.train.sitting import Sitting, last_sitting
+from dflash_train.train.trainer import TrainHooks, train
+from tests.train_helpers import logged_losses, tiny_config, tiny_overrides
+
+REPO = Path(__file__).parents[1]
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(train_task, tmp_path_factory, one_thread_module):
+    """Per-step losses of the uninterrupted 12-step run."""
+    out = tmp_path_factory.mktemp("whole") / "run"
+    train(tiny_config(train_task, out))
+    losses = logged_losses(out)
+    assert sorted(losses) == list(range(1, 13))
+    return losses
+
+
+def cli_train(task, out_dir, *extra) -> dict:
+    """One ``dflash-train train --json`` process; its result (the last stdout line)."""
+    command = [
+        sys.executable,
+        "-m",
+        "dflash_train.cli",
+        "train",
+        "tiny-cpu",
+        *tiny_overrides(task, out_dir, *extra),
+    ]
+    done = subprocess.run([*command, "--json"], env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {"stdout": done.stdout, **json.loads(done.stdout.strip().splitlines()[-1])}
+
+
+def test_three_processes_of_five_steps_give_the_uninterrupted_losses(task, tmp_path, uninterrupted):
+    out = tmp_path / "run"
+    results = [cli_train(task, out, "train.steps_per_process=5") for _ in range(3)]
+    assert [(r["step"], r["finished"], r["stopped"]) for r in results] == [
+        (5, False, "steps_per_process"),
+        (10, False, "steps_per_process"),
+        (12, True, None),
+    ]
+    assert results[0]["export"] is None and results[1]["export"] is None and results[2]["export"]
+    assert "the run is not finished: run the same command again" in results[0]["stdout"]
+    assert ckpt.latest_checkpoint(out).name == "step-00000012"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 13))  # no step lost or repeated
+    assert {r["step"]: r["loss"] for r in rows} == uninterrupted  # bit-exact on CPU
+    sittings = [json.loads(line) for line in (out / "sittings.jsonl").read_text().splitlines()]
+    assert [(s["sitting"], s["start_step"], s["end_step"], s["finished"]) for s in sittings] == [
+        (1, 0, 5, False),
+        (2, 5, 10, False),
+        (3, 10, 12, True),
+    ]
+    assert "export_s" in sittings[2] and "export_s" not in sittings[0]
+
+
+class FakeClock:
+    """Seconds that pass only when a test says so: every step takes ``step_s``."""
+
+    def __init__(self, step_s: float):
+        self.now, self.step_s = 0.0, step_s
+
+    def __call__(self) -> float:
+        return self.now
+
+    def tick(self, run) -> None:
+        self.now += self.step_s
+
+
+def test_a_time_limit_ends_the_process_before_it_with_room_for_the_final_save(task, tmp_path, uninterrupted):
+    out, limit = tmp_path / "run", 100.0
+    first = FakeClock(step_s=10.0)
+    result = train(
+        tiny_config(task, out, f"train.time_limit_s={limit}"),
+        TrainHooks(after_backward=first.tick, clock=first),
+    )
+    assert not result["finished"] and result["stopped"] == "time_limit" and result["export"] is None
+    record, step = last_sitting(out), result["step"]
+    assert record["stopped"] == "time_limit" and record["end_step"] == step < 12
+    # The assumed save before one was measured; checkpoint.every_steps=4 puts a periodic save at 4, 8.
+    params = json.loads((out / "run_info.json").read_text())["drafter_params"]
+    save, margin = 5 + 12 * params / 250e6, 2.0
+    assert first.now + save + margin <= limit  # ended before its limit, the final save included
+    periodic = save if step % 4 == 0 else 0.0
+    assert first.now + periodic + 10 + save + margin > limit  # and as late as that allows
+    second = FakeClock(step_s=10.0)
+    result = train(
+        tiny_config(task, out, f"train.time_limit_s={limit}"),
+        TrainHooks(after_backward=second.tick, clock=second),
+    )
+    assert result["finished"] and result["step"] == 12 and result["export"]
+    assert logged_losses(out) == uninterrupted
+
+
+def sitting(**overrides) -> Sitting:
+    values = dict(time_limit_s=100.0, steps_per_process=0, start_step=0, total_steps=20, started=0.0)
+    values |= dict(save_s=5.0, export_s=5.0, eval_s=0.0)
+    s = Sitting(**(values | overrides))
+    s.clock = lambda: s.now
+    s.now, s.step_s = 0.0, [10.0, 10.0]
+    return s
+
+
+def never(step: int) -> bool:
+    return False
+
+
+def test_the_vote_reserves_the_next_step_the_final_save_and_at_the_end_evaluation_and_export():
+    s = sitting()
+    s.now = 80.0  # 80 + 10 (a step) + 5 (the save) + 2 (margin) = 97: room for one more
+    assert not s.wants_stop(8, never, never) and s.stopped is None
+    assert s.wants_stop(8, never, lambda step: step == 8)  # this step's periodic save leaves none
+    assert s.stopped == "time_limit"
+    # Before the last step: its evaluation and the export must fit as well.
+    s = sitting(total_steps=9, eval_s=20.0)
+    s.now = 60.0
+    assert s.wants_stop(8, lambda step: step == 9, never)
+    assert not sitting(total_steps=9).wants_stop(8, never, never)  # no evaluation: it fits
+    # The run's last step is never a sitting's end: the run finishes in this process.
+    s = sitting(total_steps=9)
+    s.now = 1000.0
+    assert not s.wants_stop(9, never, never)
+
+
+def test_steps_per_process_count_from_where_the_process_started():
+    s = sitting(time_limit_s=0.0, steps_per_process=3, start_step=6)
+    assert [s.wants_stop(step, never, never) for step in (7, 8, 9)] == [False, False, True]
+    assert s.stopped == "steps_per_process"
+    assert not sitting(time_limit_s=0.0, steps_per_process=3, start_step=6, total_steps=9).wants_stop(
+        9, never, never
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides, error, match",
+    [
+        (["train.time_limit_s=-1"], ValueError, "must be >= 0"),
+        (["train.steps_per_process=5", "checkpoint.resume=never"], ValueError, "checkpoint.resume=auto"),
+        (
+            ["train.time_limit_s=540", "train.placement=split", "train.target_ranks=1"],
+            NotImplementedError,
+            "placement=colocated",
+        ),
+    ],
+)
+def test_sitting_settings_that_cannot_work_are_refused_with_the_fix(overrides, error, match):
+    with pytest.raises(error, match=match):
+        load_config("tiny-cpu", ["output_dir=/tmp/x", *overrides])
