@@ -36,7 +36,7 @@ def reference_attention(query, key, value, positions):
     """transformers' eager attention with K/V repeated to the query heads: [S, 1, Hq, D]."""
     key, value = repeat_kv(key, 3), repeat_kv(value, 3)
     scores = query @ key.transpose(-1, -2) * query.shape[-1] ** -0.5  # [S, Hq, 1, C]
-    hidden = torch.arange(key.shape[2])[None, :] > positions[:, None]
+    hidden = torch.arange(key.shape[2], device=key.device)[None, :] > positions[:, None]
     scores = scores.masked_fill(hidden[:, None, None], float("-inf"))
     return (torch.softmax(scores, dim=-1) @ value).transpose(1, 2)
 
@@ -186,3 +186,16 @@ def test_captured_graphs_read_only_buffers_that_outlive_the_call(monkeypatch):
     for _ in range(2):  # the second call replays the first call's graphs
         generate(engine, prompts, SAMPLED, stop_ids=frozenset({7, 9}))
     assert replays and all(replays), f"{replays.count(False)} of {len(replays)} replays read other tensors"
+
+
+@pytest.mark.gpu
+def test_compiled_flex_in_bf16_is_close_to_the_reference():
+    torch.manual_seed(0)
+    slots, kv_heads, capacity, dim = 64, 3, 8 * FLEX_BLOCK, 64
+    query = torch.randn(slots, 3 * kv_heads, 1, dim, device="cuda")
+    key, value = torch.randn(2, slots, kv_heads, capacity, dim, device="cuda")
+    positions = torch.randint(0, capacity, (slots,), device="cuda")
+    want = reference_attention(query, key, value, positions)
+    mask = LiveBlockMask(positions, capacity).build()
+    got, _ = slot_decode_attention(Heads(), query.bfloat16(), key.bfloat16(), value.bfloat16(), mask)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)

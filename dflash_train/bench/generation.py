@@ -3,19 +3,26 @@ and whether their greedy outputs agree (the eval's tie-aware verdict).
 
 Engines: ``padded`` (the padded-batch loop synth and regen ran before, ``generate.sampling.sample_batch``,
 run in waves of ``--batch-size`` rows), ``slots`` (the slot engine: continuous batching over
-``--batch-size`` slots, preallocated cache, CUDA-graphed decode step on CUDA) and ``slots-eager``
-(the same without graphs, to separate the two gains). Every engine runs the same prompts, greedy
+``--batch-size`` slots, preallocated cache, CUDA-graphed decode step on CUDA, its default decode
+attention: FlexAttention over each slot's live blocks on CUDA), ``slots-grouped`` (the same with the
+grouped-matmul decode attention over the attended bucket) and ``slots-eager`` (no graphs, to
+separate the gains). Every engine runs the same prompts, greedy
 (or ``--temperature``), after an untimed warm-up on one batch of them (CUDA graph captures, kernel
 autotuning). The first engine's greedy outputs are the reference; each other engine's are compared
 row by row and every first divergence is judged by ``eval.verdict`` (logits of one plain target
 forward: a tie within bf16 rounding, or a clear margin / length difference = a bug).
 
-    PYTHONPATH=. python3 scripts/gpu_generation_bench.py --target /path/smollm2 --batch-sizes 256 1024 \\
-        --num-prompts 2048 --max-new-tokens 512
-    PYTHONPATH=. python3 scripts/gpu_generation_bench.py --preset qwen3.6-27b --num-layers 8 \\
+    python3 -m dflash_train.bench.generation --target /path/smollm2 --batch-sizes 1024 \\
+        --num-prompts 2048 --max-new-tokens 512 --profile
+    python3 -m dflash_train.bench.generation --preset qwen3.6-27b --num-layers 8 \\
         --batch-sizes 64 256 --num-prompts 512 --max-new-tokens 256 --num-stop-ids 2
-    PYTHONPATH=. python3 scripts/gpu_generation_bench.py --preset tiny-hybrid --device cpu \\
-        --batch-sizes 4 --num-prompts 10 --max-new-tokens 16 --num-stop-ids 3   # dry run
+    python3 -m dflash_train.bench.generation --preset tiny-hybrid --device cpu \\
+        --batch-sizes 4 --num-prompts 10 --max-new-tokens 16 --num-stop-ids 3 --profile   # dry run
+
+``--profile`` adds, per batch size, a profile of the slot engine's decode step (``bench.decode_profile``):
+the graphed step's time against its memory-traffic floor (weights + each slot's live K/V + the
+recurrent states, at the measured 4.16 TB/s copy bandwidth of an H200), and an eager step's GPU time
+by operator, with the share spent copying (written to ``decode_profile_<batch>.txt``).
 
 Random-weight presets rarely emit EOS: ``--num-stop-ids K`` makes K random token ids stop ids so
 rows end at different lengths (what continuous batching is for); a checkpoint stops at its EOS ids.
@@ -38,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_train.bench.decode_profile import profile_decode
 from dflash_train.eval.verdict import describe_divergence, verdict
 from dflash_train.generate.engine import PaddedEngine, SlotEngine
 from dflash_train.generate.sampling import Sampling
@@ -58,7 +66,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, nargs=2, default=[32, 256], help="preset: random length range")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256])
-    p.add_argument("--engines", nargs="+", default=["padded", "slots", "slots-eager"])
+    p.add_argument("--engines", nargs="+", default=["padded", "slots", "slots-grouped", "slots-eager"])
+    p.add_argument("--profile", action="store_true", help="profile the slot engine's decode step")
     p.add_argument("--num-stop-ids", type=int, default=0, help="preset: random stop ids (0: none)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--check-every", type=int, default=4, help="slot engine: steps between host syncs")
@@ -100,13 +109,13 @@ def build(args, device: torch.device, dtype: torch.dtype):
 def make_engine(name: str, model, batch_size: int, args):
     if name == "padded":
         return PaddedEngine(model, num_slots=batch_size)
-    if name in ("slots", "slots-eager"):
-        graphs = None if name == "slots" else False
+    if name in ("slots", "slots-grouped", "slots-eager"):
+        graphs = None if name != "slots-eager" else False
         return SlotEngine(
             model, num_slots=batch_size, use_cuda_graphs=graphs, check_every=args.check_every,
-            kv_bucket=args.kv_bucket,
+            kv_bucket=args.kv_bucket, decode_attention="grouped" if name == "slots-grouped" else None,
         )  # fmt: skip
-    raise ValueError(f"engine {name!r}: use padded, slots or slots-eager")
+    raise ValueError(f"engine {name!r}: use padded, slots, slots-grouped or slots-eager")
 
 
 def with_timeout(seconds: float, fn):
@@ -222,6 +231,20 @@ def main() -> None:
     result["prompt_tokens_mean"] = round(sum(map(len, prompts)) / len(prompts), 1)
     save()
     for batch_size in args.batch_sizes:
+        if args.profile:
+            try:
+                record = with_timeout(
+                    args.timeout_s,
+                    lambda size=batch_size: profile_decode(model, prompts, stops, size, args, out.parent),
+                )
+            except StepTimeout as err:
+                record = {"status": f"timeout ({err})"}
+            except Exception as err:  # a benchmark records a failing step and goes on
+                traceback.print_exc()
+                record = {"status": f"error: {type(err).__name__}: {err}"}
+            result.setdefault("profiles", []).append(record | {"batch_size": batch_size})
+            print(json.dumps(record), flush=True)
+            save()
         reference = None
         for name in args.engines:
             record, outputs = run_engine(name, model, prompts, stops, batch_size, args, device)
@@ -259,6 +282,12 @@ def print_table(result: dict) -> None:
             f"{r.get('rows_per_s', '-') if ok else '-':>9} {r.get('generated_tokens_per_s', '-') if ok else '-':>11} "
             f"{str(r.get('peak_memory_gib')) if ok else '-':>9} {r.get('rows_hit_limit', '-') if ok else '-':>9}"
         )
+    for r in result.get("profiles", []):
+        if "step_ms" in r:
+            print(
+                f"decode step at {r['batch_size']} slots: {r['step_ms']:.2f} ms graphed, floor {r['floor_ms']:.2f} ms "
+                f"(x{r['step_over_floor']:.1f}); eager: {r['copy_share']:.1%} of GPU time in copies"
+            )
     for a in result["agreement"]:
         if "rows_identical" not in a:
             print(f"agreement batch {a['batch_size']} {a['engine']} vs {a['reference']}: {a.get('status')}")
