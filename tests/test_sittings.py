@@ -4,6 +4,7 @@ the sittings together give the per-step losses of one uninterrupted run, bit for
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from dflash_train.config import load_config
 from dflash_train.train import checkpoint as ckpt
 from dflash_train.train.sitting import Sitting, last_sitting
 from dflash_train.train.trainer import TrainHooks, train
-from tests.train_helpers import logged_losses, tiny_config, tiny_overrides
+from tests.train_helpers import become_rank, logged_losses, spawn_ranks, tiny_config, tiny_overrides
 
 REPO = Path(__file__).parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -162,3 +163,28 @@ def test_steps_per_process_count_from_where_the_process_started():
 def test_sitting_settings_that_cannot_work_are_refused_with_the_fix(overrides, error, match):
     with pytest.raises(error, match=match):
         load_config("tiny-cpu", ["output_dir=/tmp/x", *overrides])
+
+
+def two_rank_worker(rank: int, world: int, port: int, task: dict, out_dir: str, result_dir: str):
+    """Only rank 1's clock runs out: both ranks must stop after the same step."""
+    become_rank(rank, world, port)
+    clock = FakeClock(step_s=10.0 if rank == 1 else 0.0)
+    cfg = tiny_config(task, out_dir, "train.parallel=ddp", "train.time_limit_s=100")
+    result = train(cfg, TrainHooks(after_backward=clock.tick, clock=clock))
+    Path(result_dir, f"rank{rank}.json").write_text(json.dumps(result, default=str))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_stop_is_decided_by_every_rank_together(task, tmp_path):
+    results = tmp_path / "results"
+    results.mkdir()
+    spawn_ranks(two_rank_worker, (2, free_port(), task, str(tmp_path / "run"), str(results)), nprocs=2)
+    outcomes = [json.loads((results / f"rank{r}.json").read_text()) for r in range(2)]
+    assert outcomes[0]["step"] == outcomes[1]["step"] < 12
+    assert [o["finished"] for o in outcomes] == [False, False]
+    assert outcomes[0]["stopped"] == "another_rank" and outcomes[1]["stopped"] == "time_limit"
