@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -277,6 +278,23 @@ def test_finished_runs_are_saved_as_they_finish(fake_llama, tiny_export, tmp_pat
     assert seen == [[], ["plain"], ["draft-dflash", "plain"]]
     saved = json.loads((tmp_path / "work" / "serve_check.json").read_text())
     assert saved["status"] == "complete" and saved["engine_tau"] == result["engine_tau"]
+
+
+def test_a_proxy_in_the_environment_is_not_used_for_the_local_server(
+    fake_llama, tiny_export, tmp_path, monkeypatch
+):
+    """llama-server runs on 127.0.0.1 as a child process: HTTP(S)_PROXY (common on clusters) must
+    not send its requests elsewhere."""
+    with socket.socket() as sock:  # a proxy address nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        dead_proxy = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY"):
+        monkeypatch.setenv(name, dead_proxy)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    options = fake_options(fake_llama, tiny_export, tmp_path, ngram_types=[])
+    options.startup_timeout_s = 10
+    assert run_serve_check(options)["engine_tau"] == pytest.approx(2.0)
 
 
 def test_a_server_whose_help_or_converter_hangs_is_refused_in_one_line(tmp_path):

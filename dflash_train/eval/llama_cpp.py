@@ -177,7 +177,8 @@ class LlamaServer:
         self.startup_timeout_s = startup_timeout_s
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
-        self.client = httpx.Client(base_url=self.base_url)
+        # trust_env=False: the child listens on 127.0.0.1, so HTTP(S)_PROXY must not route its requests.
+        self.client = httpx.Client(base_url=self.base_url, trust_env=False)
 
     def __enter__(self) -> LlamaServer:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
