@@ -9,6 +9,7 @@ that errors a few times first, a template that counts other prompt tokens, a req
 import dataclasses
 import json
 import socket
+import struct
 import threading
 import time
 from collections import Counter
@@ -31,8 +32,10 @@ class TinyServer:
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
         self.api_key, self.always_fail, self.fail_first = api_key, set(), Counter()
         self.prompt_token_offset, self.requests = 0, Counter()
-        # Prompts answered with a null message, or with a body cut short (http.client.IncompleteRead).
+        # Prompts answered with a null message, or with a body cut short (the connection closes early).
         self.null_message, self.torn = set(), set()
+        # Prompts never answered (until close), or whose connection is reset (RST) without an answer.
+        self.hang, self.reset, self.released = set(), set(), threading.Event()
         self.lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self.handler())
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
@@ -67,6 +70,18 @@ class TinyServer:
                 if not self.authorised():
                     return
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                last = body["messages"][-1]["content"]
+                if last in server.hang or last in server.reset:
+                    with server.lock:
+                        server.requests[last] += 1
+                    if last in server.hang:
+                        server.released.wait(30)
+                    else:
+                        self.connection.setsockopt(
+                            socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                        )
+                        self.close_connection = True
+                    return
                 code, answer = server.complete(body)
                 self.reply(code, answer, torn=body["messages"][-1]["content"] in server.torn)
 
@@ -105,6 +120,7 @@ class TinyServer:
         return 200, {"choices": [choice], "usage": usage}
 
     def close(self):
+        self.released.set()
         self.httpd.shutdown()
         self.httpd.server_close()
 
@@ -220,5 +236,24 @@ def test_a_null_message_or_a_torn_reply_fails_only_its_row(
     assert result["rows_done"] == 2 and result["rows_failed"] == 2
     reasons = {r["line"]: r["reason"] for r in read_jsonl(tmp_path / "regen.failed.jsonl")}
     assert set(reasons) == {3, 4} and "malformed completion" in reasons[3]
-    assert "IncompleteRead" in reasons[4] and "after 2 retries" in reasons[4]
+    assert "complete message body" in reasons[4] and "after 2 retries" in reasons[4]
     assert server.requests["doomed"] == 3  # retried: a cut connection may succeed next time
+
+
+def test_a_hung_or_reset_request_is_retried_then_fails_only_its_row(
+    server, tiny_qwen3_dir, chat_file, tmp_path, monkeypatch
+):
+    """No answer within --timeout-s and a reset connection are retried, then reported with the
+    reason; the other rows regenerate."""
+    monkeypatch.setattr("dflash_train.data.endpoint.MAX_BACKOFF_S", 0.0)
+    server.hang.add("flaky")
+    server.reset.add("doomed")
+    output = tmp_path / "regen.jsonl"
+    start = time.perf_counter()
+    result = run_regen(endpoint_options(tiny_qwen3_dir, chat_file, output, server.url, "--timeout-s", "0.5"))
+    assert time.perf_counter() - start < 20
+    assert result["rows_done"] == 2 and result["rows_failed"] == 2
+    reasons = {r["line"]: r["reason"] for r in read_jsonl(tmp_path / "regen.failed.jsonl")}
+    assert "ReadTimeout" in reasons[3] and "after 2 retries" in reasons[3]
+    assert "after 2 retries" in reasons[4]
+    assert server.requests["flaky"] == 3 and server.requests["doomed"] == 3

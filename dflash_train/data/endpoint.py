@@ -1,17 +1,20 @@
 """``regen --endpoint``: regenerate through any OpenAI-compatible server (vLLM, SGLang, ...).
 
-Standard library only: ``urllib`` for HTTP and a thread pool for request concurrency (the work is
-I/O, the GIL is released while waiting). Each row's turns run in sequence in one worker; up to
-``--concurrency`` rows are in flight.
+HTTP through one ``httpx.Client`` shared by a thread pool (the client is thread-safe and keeps up to
+``--concurrency`` connections alive; the work is I/O, the GIL is released while waiting; docs/data.md
+says why httpx). Each row's turns run in sequence in one worker; up to ``--concurrency`` rows are in
+flight.
 
 - Fast failure: ``GET /models`` once at start; an unreachable server raises a ValueError naming
   the URL, a 401/403 names ``--api-key-env``. Without ``--model`` the server's only model is used.
 - Same tokens as training: the first request's reported ``usage.prompt_tokens`` must equal the
   local tokenizer's count for the same conversation (the local chat template with the generation
   prompt); otherwise the server renders another template and regen refuses with both counts.
-- Retries: connection errors, timeouts, HTTP 429 and 5xx are retried with exponential backoff
-  (1 s, 2 s, 4 s, ... capped at 30 s) up to ``--retries`` times; other HTTP errors fail the row at
-  once. A failed row is reported with its reason (``OUTPUT.failed.jsonl``), never dropped silently.
+- Retries: every transport failure (refused, reset or closed connection, a body cut short, no
+  answer within ``--timeout-s``: httpx's ``TransportError``), a reply that is not JSON, HTTP 429 and
+  5xx are retried with exponential backoff (1 s, 2 s, 4 s, ... capped at 30 s) up to ``--retries``
+  times; other HTTP statuses (redirects included: they are not followed) fail the row at once. A
+  failed row is reported with its reason (``OUTPUT.failed.jsonl``), never dropped silently.
 - Sampling: ``temperature``, ``top_p``, ``max_tokens`` as the in-process engine, a per-turn
   ``seed`` from the row key, ``chat_template_kwargs.enable_thinking`` for ``--thinking on|off``.
   A reply the server's reasoning parser split off is kept as ``reasoning_content``.
@@ -19,14 +22,13 @@ I/O, the GIL is released while waiting). Each row's turns run in sequence in one
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
+
+import httpx
 
 from dflash_train.data.regen_options import RegenOptions
 from dflash_train.data.regen_turns import THINKING, Reply, advance_to_reply, regenerate_row
@@ -62,12 +64,16 @@ class EndpointEngine:
         from dflash_train.models.target_loading import load_tokenizer
 
         self.opts, self.url, self.backoff_s = opts, base_url(opts.endpoint), backoff_s
-        self.headers = {"Content-Type": "application/json"}
+        headers = {}
         if opts.api_key_env:
             key = os.environ.get(opts.api_key_env)
             if not key:
                 raise ValueError(f"--api-key-env {opts.api_key_env}: that environment variable is not set")
-            self.headers["Authorization"] = f"Bearer {key}"
+            headers["Authorization"] = f"Bearer {key}"
+        connections = httpx.Limits(
+            max_connections=opts.concurrency, max_keepalive_connections=opts.concurrency
+        )
+        self.client = httpx.Client(base_url=self.url, headers=headers, limits=connections)
         self.tokenizer = load_tokenizer(opts.target, trust_remote_code=False)
         if self.tokenizer is None:
             raise ValueError(
@@ -79,18 +85,24 @@ class EndpointEngine:
     # ------------------------------------------------------------------ HTTP
 
     def request(self, path: str, payload: dict | None, timeout: float) -> dict[str, Any]:
-        """One HTTP call; raises ``RequestError`` (retryable or not) on failure."""
-        data = json.dumps(payload).encode() if payload is not None else None
-        req = urllib.request.Request(self.url + path, data=data, headers=self.headers)
+        """One HTTP call (POST with a payload, else GET); raises ``RequestError`` (retryable or not)."""
+        method = "GET" if payload is None else "POST"
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as err:
-            body = err.read()[:300].decode("utf-8", "replace")
-            raise RequestError(f"HTTP {err.code}: {body}", err.code == 429 or err.code >= 500) from err
-        except (urllib.error.URLError, http.client.HTTPException, OSError) as err:
-            # Connection refused/reset, timeouts, and a body cut short (IncompleteRead): may pass next time.
-            raise RequestError(f"{type(err).__name__}: {getattr(err, 'reason', err)}", True) from err
+            response = self.client.request(method, path, json=payload, timeout=timeout)
+        except (
+            httpx.TransportError
+        ) as err:  # refused, reset, closed, cut short, timed out: may pass next time
+            raise RequestError(f"{type(err).__name__}: {err}", True) from err
+        if not response.is_success:
+            code = response.status_code
+            where = (
+                f" (a redirect to {response.headers.get('location')}: give that URL)"
+                if response.is_redirect
+                else ""
+            )
+            raise RequestError(f"HTTP {code}{where}: {response.text[:300]}", code == 429 or code >= 500)
+        try:
+            return response.json()
         except ValueError as err:  # JSONDecodeError, or bytes that are not UTF-8
             raise RequestError(f"the server's reply is not JSON: {err}", True) from err
 
