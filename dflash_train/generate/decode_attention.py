@@ -97,24 +97,24 @@ class LiveBlockMask:
 
     def __init__(self, positions: torch.Tensor, capacity: int):
         if capacity % FLEX_BLOCK:
-            raise ValueError(
-                f"flex decode needs a capacity that is a multiple of {FLEX_BLOCK}, got {capacity}"
-            )
+            raise ValueError(f"flex decode needs a capacity that is a multiple of {FLEX_BLOCK}, got {capacity}")
         self.positions, self.capacity = positions, capacity
-        self.num_blocks = capacity // FLEX_BLOCK
+        num_slots, num_blocks = positions.shape[0], capacity // FLEX_BLOCK
+        # Block b of every slot is block b of the cache: the same list for all, materialised (the
+        # kernels index the block tables as dense [S, 1, 1, blocks] tensors) and owned here, so a
+        # captured graph's replays read it where it was.
+        blocks = torch.arange(num_blocks, dtype=torch.int32, device=positions.device)
+        self.kv_indices = blocks.repeat(num_slots, 1).view(num_slots, 1, 1, num_blocks).contiguous()
         self.extra = {"compute_q_blocks": False} if "compute_q_blocks" in FROM_KV_BLOCKS_PARAMETERS else {}
 
     def mask_mod(self, batch, head, q_index, kv_index):
         return kv_index <= self.positions[batch]
 
     def build(self) -> BlockMask:
-        slots = self.positions.shape[0]
         kv_num_blocks = (self.positions // FLEX_BLOCK + 1).to(torch.int32)[:, None, None]  # [S, 1, 1]
-        kv_indices = torch.arange(self.num_blocks, dtype=torch.int32, device=self.positions.device)
-        kv_indices = kv_indices.expand(slots, 1, 1, self.num_blocks)
         return BlockMask.from_kv_blocks(
-            kv_num_blocks,
-            kv_indices,
+            kv_num_blocks.contiguous(),
+            self.kv_indices,
             BLOCK_SIZE=FLEX_BLOCK,
             mask_mod=self.mask_mod,
             seq_lengths=(1, self.capacity),
