@@ -32,9 +32,9 @@ class Heads(torch.nn.Module):
     num_key_value_groups = 3
 
 
-def reference_attention(query, key, value, positions):
+def reference_attention(query, key, value, positions, groups=3):
     """transformers' eager attention with K/V repeated to the query heads: [S, 1, Hq, D]."""
-    key, value = repeat_kv(key, 3), repeat_kv(value, 3)
+    key, value = repeat_kv(key, groups), repeat_kv(value, groups)
     scores = query @ key.transpose(-1, -2) * query.shape[-1] ** -0.5  # [S, Hq, 1, C]
     hidden = torch.arange(key.shape[2], device=key.device)[None, :] > positions[:, None]
     scores = scores.masked_fill(hidden[:, None, None], float("-inf"))
@@ -189,13 +189,15 @@ def test_captured_graphs_read_only_buffers_that_outlive_the_call(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_compiled_flex_in_bf16_is_close_to_the_reference():
+@pytest.mark.parametrize("kv_heads, groups, dim", [(3, 3, 64), (4, 6, 256)], ids=["smollm2", "qwen3.6-27b"])
+def test_compiled_flex_in_bf16_is_close_to_the_reference(kv_heads, groups, dim):
     torch.manual_seed(0)
-    slots, kv_heads, capacity, dim = 64, 3, 8 * FLEX_BLOCK, 64
-    query = torch.randn(slots, 3 * kv_heads, 1, dim, device="cuda")
+    slots, capacity = 64, 8 * FLEX_BLOCK
+    query = torch.randn(slots, groups * kv_heads, 1, dim, device="cuda")
     key, value = torch.randn(2, slots, kv_heads, capacity, dim, device="cuda")
     positions = torch.randint(0, capacity, (slots,), device="cuda")
-    want = reference_attention(query, key, value, positions)
+    want = reference_attention(query, key, value, positions, groups)
     mask = LiveBlockMask(positions, capacity).build()
     got, _ = slot_decode_attention(Heads(), query.bfloat16(), key.bfloat16(), value.bfloat16(), mask)
+    torch.cuda.synchronize()
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
