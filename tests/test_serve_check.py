@@ -40,8 +40,7 @@ FAKE_HELP = """-m, --model FNAME  -md, --spec-draft-model FNAME  --spec-type [no
 # Speaks the llama-server routes serve-check uses. Per --spec-type: accepted drafts per request and
 # the text it answers; FAIL_CHAT / FAIL_START make it answer 500 / exit while loading, HANG / DROP make
 # it hang on a chat request / reset its connection, COUNTS=all-accepted reports every draft accepted
-# (what builds that count only fully accepted rounds report on a recurrent target), RS_SEQ=N logs the
-# rollback snapshots its context got.
+# (what builds that count only fully accepted rounds report on a recurrent target).
 FAKE_SERVER = """
 import http.server, json, os, socket, struct, sys, time
 args = sys.argv[1:]
@@ -55,8 +54,6 @@ if os.environ.get("FAKE_FAIL_START") == spec:
     print("error: failed to load the draft model"); sys.exit(3)
 accepted = {"plain": 0, "draft-dflash": 4, "ngram-simple": 2, "ngram-mod": 0}[spec]
 text = "a changed reply" if spec == "ngram-mod" else "the same reply"
-if os.environ.get("FAKE_RS_SEQ"):
-    print("llama_context: n_rs_seq              = " + os.environ["FAKE_RS_SEQ"], flush=True)
 
 class Handler(http.server.BaseHTTPRequestHandler):
     def log_message(self, *a): pass
@@ -336,7 +333,9 @@ def test_a_recurrent_target_is_judged_on_acceptance_and_tau_only_with_rollback_s
     from dflash_train.eval.serve_check import check_engine_counts
 
     log = tmp_path / "server.log"
-    log.write_text("" if rs_seq is None else f"llama_context: n_rs_seq              = {rs_seq}\n")
+    # The drafter's context logs its own n_rs_seq (0) after the target's.
+    lines = [] if rs_seq is None else [f"llama_context: n_rs_seq              = {n}" for n in (rs_seq, 0)]
+    log.write_text("".join(line + "\n" for line in lines))
     numbers = {"tau": 1.5, "drafted": 90, "accepted": 6, "acceptance_rate": 6 / 90}
     refused = check_engine_counts(numbers, recurrent_target=True, log_path=log)
     assert refused is None and numbers["acceptance_rate"] == pytest.approx(6 / 90)

@@ -150,9 +150,10 @@ def log_tail_line(path: Path, num_lines: int = LOG_TAIL_LINES) -> str:
 def rollback_snapshots(log_path: Path) -> int | None:
     """``n_rs_seq`` as the server logged it at start (recurrent-state snapshots per sequence, which
     roll a rejected draft tail back without a checkpoint replay); None where the log has no such line
-    (older builds)."""
+    (older builds). Each context logs its own (the drafter's is 0: its architecture keeps no
+    snapshots), so the largest is the target's."""
     found = re.findall(r"\bn_rs_seq\s*=\s*(\d+)", log_tail_text(log_path))
-    return int(found[-1]) if found else None
+    return max(int(n) for n in found) if found else None
 
 
 def log_tail_text(path: Path) -> str:
