@@ -295,7 +295,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="", help="model name on the server (default: the one it serves)")
     p.add_argument("--api-key-env", default="", help="environment variable holding the server's API key")
     p.add_argument("--concurrency", type=int, default=64, help="requests in flight with --endpoint")
-    p.add_argument("--timeout-s", type=float, default=600.0, help="per request with --endpoint")
+    p.add_argument(
+        "--timeout-s",
+        type=float,
+        default=600.0,
+        help="with --endpoint: per network step (connect, each read)",
+    )
     p.add_argument("--retries", type=int, default=4, help="per request with --endpoint (exponential backoff)")
 
     p = add("synth", cmd_synth, "Synthesize user prompts with the target's own chat template (Magpie).")
@@ -371,8 +376,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default="", help="keep the GGUF files, server logs and serve_check.json here")
     p.add_argument("--threads", type=int, default=2, help="llama-server --threads")
     p.add_argument("--ctx-size", type=int, default=4096, help="llama-server --ctx-size")
-    p.add_argument("--startup-timeout-s", type=float, default=300.0)
-    p.add_argument("--request-timeout-s", type=float, default=600.0)
+    p.add_argument(
+        "--startup-timeout-s", type=float, default=300.0, help="until llama-server's /health answers"
+    )
+    p.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=600.0,
+        help="per network step of a request to llama-server; no answer within it ends the run",
+    )
     p.add_argument("--device", default="cpu", help="device of the exact eval (fp32)")
     return parser
 
