@@ -319,6 +319,8 @@ def test_a_recurrent_target_whose_engine_accepts_every_draft_is_refused(
     assert result["engine_tau"] is None and result["engine_acceptance_rate"] is None
     assert result["engine_far_from_eval"] is None
     assert result["engine"]["draft-dflash"]["drafted"] == result["engine"]["draft-dflash"]["accepted"] == 8
+    saved = json.loads((tmp_path / "work" / "serve_check.json").read_text())["engine_runs"]["draft-dflash"]
+    assert saved["numbers"]["acceptance_rate"] is None and "draft_n_accepted" in saved["numbers"]["refused"]
     err = capsys.readouterr().err
     assert "REFUSED draft-dflash" in err and "cannot remove part of a sequence" in err
 

