@@ -84,11 +84,14 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
-    from dflash_train.bench.lengths import run_lengths_bench
-    from dflash_train.bench.train_step import BenchOptions, run_bench
+    from dflash_train.bench.modes import MODES
+    from dflash_train.bench.progress import StepTimeout
 
-    options = options_from_args(BenchOptions, args)
-    return run_lengths_bench(options) if options.lengths else run_bench(options)
+    mode = MODES[args.bench_mode]
+    try:
+        return mode.run(options_from_args(mode.Options, args))
+    except StepTimeout as err:  # the limit is a setting: exit 1 with one line, as for a refused one
+        raise ValueError(f"{err} (raise it, or 0 for no limit)") from err
 
 
 def cmd_regen(args: argparse.Namespace) -> dict[str, Any]:
@@ -121,8 +124,26 @@ def cmd_serve_check(args: argparse.Namespace) -> dict[str, Any]:
     return run_serve_check(options_from_args(ServeCheckOptions, args))
 
 
+class CommandParser(argparse.ArgumentParser):
+    """The top-level parser: ``bench``'s modes are added only when ``bench`` runs (mode modules import
+    torch, which would make every ``--help`` slow), and ``bench`` without a mode is ``bench train``
+    (the commands of earlier versions, ``dflash-train bench --preset ...``)."""
+
+    bench_parser: argparse.ArgumentParser | None = None
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        if self.bench_parser is not None and args[:1] == ["bench"]:
+            from dflash_train.bench.modes import add_mode_parsers, with_default_mode
+
+            if self.bench_parser._subparsers is None:  # not yet added
+                add_mode_parsers(self.bench_parser)
+            args = with_default_mode(args)
+        return super().parse_known_args(args, namespace)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="dflash-train",
         description="Train DFlash block-diffusion draft models against a frozen target LLM.",
     )
@@ -228,52 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
 
-    p = add("bench", cmd_bench, "Throughput of the full train step at a preset shape with random weights.")
-    p.add_argument("--preset", default="tiny", help="qwen3.6-27b, qwen3-8b or tiny")
-    p.add_argument("--seq-len", type=int, default=0, help="tokens per row (default: 4096, tiny: 256)")
-    p.add_argument("--num-anchors", type=int, default=0, help="anchors per row (default: 512, tiny: 32)")
-    p.add_argument("--rows", type=int, default=1)
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--attention-backend", choices=["auto", "flex", "sdpa"], default="auto")
-    p.add_argument(
-        "--compile",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="compile the drafter layers, flex attention and loss kernel (default: on, off for tiny)",
+    # The modes (bench/modes.py) are added when ``bench`` runs: they import torch (CommandParser).
+    parser.bench_parser = add(
+        "bench",
+        cmd_bench,
+        "Measure the product: train step (the default mode), lengths, eval, checkpoint, decode. "
+        "`dflash-train bench MODE --help` lists a mode's options.",
     )
-    p.add_argument(
-        "--target-compile",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="compile the target's MLPs, norms and attention blocks (default: as --compile)",
-    )
-    p.add_argument(
-        "--target-fp8",
-        action="store_true",
-        help="target.fp8: the target's decoder linears in FP8 (torchao float8; CUDA sm89+, the fp8 extra)",
-    )
-    p.add_argument(
-        "--profile", default="", help="after timing, profile one step and write a kernel table here"
-    )
-    p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=False)
-    p.add_argument("--loss-chunk-tokens", type=int, default=2048)
-    p.add_argument(
-        "--loss",
-        choices=["ce", "kl", "ce+kl"],
-        default="ce",
-        help="train.loss; kl/ce+kl run the target to full depth and a teacher LM head per chunk",
-    )
-    p.add_argument(
-        "--drafter-only", action="store_true", help="time the drafter step alone on random features"
-    )
-    p.add_argument(
-        "--lengths",
-        default="",
-        help="FILE (JSONL of {'length': N}) or DIST (short-chat, mixed-chat, long-chat): time length "
-        "buckets against data.packing on that distribution, reporting real tokens/s and padding waste",
-    )
-    p.add_argument("--device", default="auto")
 
     p = add("regen", cmd_regen, "Regenerate the assistant turns of a chat dataset with the target.")
     p.add_argument("--target", required=True, help="target checkpoint directory or hub id")

@@ -1,4 +1,4 @@
-"""``dflash-train bench --lengths``: buckets against packing on a length distribution."""
+"""``dflash-train bench lengths``: buckets against packing on a length distribution."""
 
 from __future__ import annotations
 
@@ -37,9 +37,11 @@ def test_tiny_length_bench_compares_buckets_and_packing(tmp_path, capsys):
     rng = np.random.default_rng(0)
     path = tmp_path / "lengths.jsonl"
     path.write_text("".join(json.dumps({"length": int(n)}) + "\n" for n in rng.integers(12, 90, size=48)))
-    args = ["bench", "--preset", "tiny", "--lengths", str(path), "--steps", "2", "--warmup", "0", "--json"]
+    args = ["bench", "lengths", str(path), "--preset", "tiny", "--steps", "2", "--warmup", "0", "--json"]
     assert main(args) == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    result = json.loads(captured.out.strip().splitlines()[-1])
+    assert "bench lengths buckets" in captured.err and "bench lengths packing" in captured.err  # the bars
     buckets, packing = result["modes"]["buckets"], result["modes"]["packing"]
     assert result["conversations"] == 48 and result["buckets"] == [64, 128, 256]
     assert packing["padding_waste_epoch"] < buckets["padding_waste_epoch"]
@@ -58,8 +60,8 @@ def test_every_bucket_compiles_its_layer_graphs_once_before_the_timed_steps(tmp_
     import torch
     from torch._dynamo.utils import counters
 
-    from dflash_train.bench.lengths import run_length_bench
-    from dflash_train.bench.train_step import BenchOptions, bench_config
+    from dflash_train.bench.lengths import LengthsBenchOptions, run_length_bench
+    from dflash_train.bench.train_step import bench_config
 
     compile_module = torch.nn.Module.compile  # dynamo's graph count does not depend on the backend
     monkeypatch.setattr(
@@ -68,7 +70,7 @@ def test_every_bucket_compiles_its_layer_graphs_once_before_the_timed_steps(tmp_
     rng = np.random.default_rng(0)
     path = tmp_path / "lengths.jsonl"
     path.write_text("".join(json.dumps({"length": int(n)}) + "\n" for n in rng.integers(10, 250, size=40)))
-    args = BenchOptions(preset="tiny", lengths=str(path), compile=True, steps=2, warmup=0)
+    args = LengthsBenchOptions(preset="tiny", lengths=str(path), compile=True, steps=2, warmup=0)
     cfg, seq_len, _ = bench_config(args)
     # The default limit, restored afterwards. Not monkeypatch: its undo leaves dynamo's config
     # entry hidden ("recompile_limit does not exist"), which breaks every later flex_attention call.
@@ -87,3 +89,10 @@ def test_every_bucket_compiles_its_layer_graphs_once_before_the_timed_steps(tmp_
     for mode in (buckets, packing):
         assert mode["compiled_graphs_timed"] == 0 and mode["eager_fallbacks"] == 0
         assert mode["warmup_s"] > 0
+
+
+def test_the_lengths_mode_times_the_full_step_only():
+    from dflash_train.bench.lengths import LengthsBenchOptions
+
+    with pytest.raises(ValueError, match="drop --drafter-only/--profile"):
+        LengthsBenchOptions(preset="tiny", lengths="short-chat", drafter_only=True)

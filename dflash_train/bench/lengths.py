@@ -1,4 +1,4 @@
-"""``dflash-train bench --lengths FILE|DIST``: the full train step on a real length distribution,
+"""``dflash-train bench lengths FILE|DIST``: the full train step on a real length distribution,
 with length buckets and with packing.
 
 A fixed-shape synthetic row says how fast a full row trains; real chat data is mostly short, and
@@ -15,16 +15,19 @@ batch of every shape first and the timed steps compile nothing (``compiled_graph
 
 from __future__ import annotations
 
+import argparse
 import json
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from dflash_train.bench.progress import StepProgress
 from dflash_train.bench.train_step import (
     BenchOptions,
+    add_shape_arguments,
     bench_config,
     build_bench_run,
     result_header,
@@ -44,6 +47,35 @@ LENGTH_DISTRIBUTIONS = {
 }
 NUM_DRAWN = 4096  # conversations drawn from a named distribution
 PROMPT_SHARE = 0.3  # of a drawn conversation's tokens, when the file gives no response count
+
+HELP = "The full train step on a length distribution: length buckets against data.packing, real tokens/s."
+
+
+@dataclass(frozen=True, kw_only=True)
+class LengthsBenchOptions(BenchOptions):
+    """What ``dflash-train bench lengths`` measures: the train mode's shape on real lengths."""
+
+    # A JSONL of lengths, or a name in LENGTH_DISTRIBUTIONS.
+    lengths: str
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.drafter_only or self.profile:
+            raise ValueError(
+                "bench lengths times the full step on real data shapes; drop --drafter-only/--profile"
+            )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The distribution, then the train mode's shape arguments."""
+    parser.add_argument(
+        "lengths",
+        metavar="FILE|DIST",
+        help="a JSONL of {'length': N} rows (e.g. from data-stats) or a named distribution: "
+        + ", ".join(LENGTH_DISTRIBUTIONS),
+    )
+    add_shape_arguments(parser)
+    parser.set_defaults(drafter_only=False, profile="")  # the train mode's, fixed here
 
 
 def load_lengths(spec: str, max_length: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, str]:
@@ -141,8 +173,8 @@ def bucket_lengths(seq_len: int) -> list[int]:
     return sorted({max(seq_len // 4, 8), max(seq_len // 2, 8), seq_len})
 
 
-def run_lengths_bench(args: BenchOptions) -> dict[str, Any]:
-    """``dflash-train bench --lengths``: buckets against packing on ``args.lengths`` at the preset shape."""
+def run_lengths_bench(args: LengthsBenchOptions) -> dict[str, Any]:
+    """``dflash-train bench lengths``: buckets against packing on ``args.lengths`` at the preset shape."""
     cfg, seq_len, anchors = bench_config(args)
     use_expandable_segments()  # the allocator configuration training uses
     device = pick_device(args.device)
@@ -180,7 +212,8 @@ def run_length_bench(
         data = TrainData(tokenized, mode_cfg.data, seed=0, rank=0, world_size=1, pad_id=0)
         run.data = CountingData(data)
         shapes = len(run.data.warmup)
-        timing = time_train_steps(run, args.steps, args.warmup + shapes)
+        with StepProgress(f"lengths {mode}", args.warmup + shapes + args.steps, args) as progress:
+            timing = time_train_steps(run, args.steps, args.warmup + shapes, progress)
         # The timed steps' batches are the last ``steps * grad_accum`` served.
         real, total = np.asarray(run.data.served[-args.steps * cfg.train.grad_accum :]).sum(axis=0)
         elapsed = timing["step_s"] * args.steps
@@ -204,3 +237,8 @@ def run_length_bench(
         "packing_speedup": modes["packing"]["real_tokens_per_s"]
         / max(modes["buckets"]["real_tokens_per_s"], 1e-9),
     }
+
+
+# The mode's entry points (bench/modes.py).
+Options = LengthsBenchOptions
+run = run_lengths_bench

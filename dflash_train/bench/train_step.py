@@ -1,15 +1,17 @@
-"""``dflash-train bench``: the full train step at a preset shape with random weights.
+"""``dflash-train bench train`` (also plain ``dflash-train bench``): the full train step at a preset
+shape with random weights.
 
 Builds the target (only the layers the features need) and the drafter directly on the device,
 feeds fixed-shape synthetic rows (random ids, a 10% prompt then response tokens), runs warm-up
 steps, then times full optimizer steps (target forward + drafter forward/backward + one-pass
 LM-head loss + AdamW) with the same ``train_step`` the trainer uses. Reports target tokens/s,
 the step-time split, MFU against the measured 798 TFLOP/s bf16 peak of an H200, and peak memory.
-``--lengths`` times buckets against packing on a real length distribution (``bench/lengths.py``).
+``bench lengths`` times buckets against packing on a real length distribution (``bench/lengths.py``).
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 import warnings
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from typing import Any
 
 import torch
 
+from dflash_train.bench.progress import StepLimits, StepProgress
 from dflash_train.config import load_config
 from dflash_train.models.presets import DRAFTER_PRESETS
 from dflash_train.train.flops import mfu, train_step_flops
@@ -31,9 +34,12 @@ BENCH_SHAPES = {
 }
 
 
+HELP = "Throughput of the full train step at a preset shape with random weights (the default mode)."
+
+
 @dataclass(frozen=True, kw_only=True)
-class BenchOptions:
-    """What ``dflash-train bench`` measures; the defaults are the CLI's."""
+class BenchOptions(StepLimits):
+    """What ``dflash-train bench train`` measures; the defaults are the CLI's."""
 
     # Shape preset: qwen3.6-27b, qwen3-8b or tiny (BENCH_SHAPES).
     preset: str = "tiny"
@@ -59,12 +65,10 @@ class BenchOptions:
     loss: str = "ce"
     # Time the drafter step alone on fixed features.
     drafter_only: bool = False
-    # A length distribution (a JSONL of lengths, or a name in bench.lengths.LENGTH_DISTRIBUTIONS):
-    # time buckets and packing on it instead of fixed full rows ("" = fixed rows).
-    lengths: str = ""
     device: str = "auto"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.preset not in BENCH_SHAPES:
             raise ValueError(f"--preset {self.preset!r}: use one of {list(BENCH_SHAPES)}")
         if self.attention_backend not in ("auto", "flex", "sdpa"):
@@ -75,8 +79,6 @@ class BenchOptions:
             raise ValueError(
                 "--target-fp8 needs a bfloat16 preset (qwen3.6-27b, qwen3-8b); tiny runs in float32"
             )
-        if self.lengths and self.drafter_only:
-            raise ValueError("--lengths times the full step on real data shapes; drop --drafter-only")
 
 
 @dataclass
@@ -153,29 +155,79 @@ def bench_config(args: BenchOptions):
     return load_config("tiny-cpu", overrides), seq_len, anchors
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The train mode's arguments: the shape, the timed steps and the profile."""
+    add_shape_arguments(parser)
+    parser.add_argument(
+        "--profile", default="", help="after timing, profile one step and write a kernel table here"
+    )
+    parser.add_argument(
+        "--drafter-only", action="store_true", help="time the drafter step alone on random features"
+    )
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
+    """What the train and lengths modes share: preset shape, steps, compilation, loss, device."""
+    parser.add_argument("--preset", default="tiny", help="qwen3.6-27b, qwen3-8b or tiny")
+    parser.add_argument("--seq-len", type=int, default=0, help="tokens per row (default: 4096, tiny: 256)")
+    parser.add_argument("--num-anchors", type=int, default=0, help="anchors per row (default: 512, tiny: 32)")
+    parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--attention-backend", choices=["auto", "flex", "sdpa"], default="auto")
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compile the drafter layers, flex attention and loss kernel (default: on, off for tiny)",
+    )
+    parser.add_argument(
+        "--target-compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compile the target's MLPs, norms and attention blocks (default: as --compile)",
+    )
+    parser.add_argument(
+        "--target-fp8",
+        action="store_true",
+        help="target.fp8: the target's decoder linears in FP8 (torchao float8; CUDA sm89+, the fp8 extra)",
+    )
+    parser.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--loss-chunk-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--loss",
+        choices=["ce", "kl", "ce+kl"],
+        default="ce",
+        help="train.loss; kl/ce+kl run the target to full depth and a teacher LM head per chunk",
+    )
+    parser.add_argument("--device", default="auto")
+
+
 def run_bench(args: BenchOptions) -> dict[str, Any]:
     """Build the bench run, time ``args.steps`` full train steps after ``args.warmup`` warm-up steps."""
-    if args.lengths:
-        raise ValueError(
-            "run_bench times fixed-shape rows; --lengths is bench.lengths.run_lengths_bench (the CLI picks it)"
-        )
     cfg, seq_len, anchors = bench_config(args)
     use_expandable_segments()  # the allocator configuration training uses
-    run = build_bench_run(cfg, args.rows, seq_len, pick_device(args.device), drafter_only=args.drafter_only)
-    result = time_train_steps(run, args.steps, args.warmup)
-    if args.profile:
-        profile_train_step(run, args.profile)
+    bench_run = build_bench_run(
+        cfg, args.rows, seq_len, pick_device(args.device), drafter_only=args.drafter_only
+    )
+    with StepProgress("train", args.warmup + args.steps + bool(args.profile), args) as progress:
+        result = time_train_steps(bench_run, args.steps, args.warmup, progress)
+        if args.profile:
+            with progress.step("profiled step"):
+                profile_train_step(bench_run, args.profile)
     flops = train_step_flops(
-        run.target.config, run.draft_config, seq_len=seq_len, num_anchors=anchors, rows=args.rows
+        bench_run.target.config, bench_run.draft_config, seq_len=seq_len, num_anchors=anchors, rows=args.rows
     )
     if args.drafter_only:
         flops["total"] -= flops["target"]
     elif cfg.train.loss != "ce":
-        flops["total"] += teacher_flops(run.target.config, run.draft_config, seq_len, anchors, args.rows)
-    device = run.info.device
+        flops["total"] += teacher_flops(
+            bench_run.target.config, bench_run.draft_config, seq_len, anchors, args.rows
+        )
+    device = bench_run.info.device
     return {
         **result_header(args, device, seq_len, anchors),
-        "block_size": run.draft_config.block_size,
+        "block_size": bench_run.draft_config.block_size,
         "drafter_only": bool(args.drafter_only),
         "objective": cfg.train.loss,
         "attention_backend": "flex"
@@ -190,9 +242,14 @@ def run_bench(args: BenchOptions) -> dict[str, Any]:
         **result,
         "tflop_per_step": flops["total"] / 1e12,
         "mfu": mfu(flops["total"], result["step_s"]),
-        "target_kernels": run.target.kernels,
+        "target_kernels": bench_run.target.kernels,
         "torch": torch.__version__,
     }
+
+
+# The mode's entry points (bench/modes.py).
+Options = BenchOptions
+run = run_bench
 
 
 def result_header(args: BenchOptions, device: torch.device, seq_len: int, anchors: int) -> dict[str, Any]:
@@ -257,29 +314,33 @@ def teacher_flops(target_config, draft_config, seq_len: int, num_anchors: int, r
     return rows * (layers + head)
 
 
-def time_train_steps(run, steps: int, warmup: int) -> dict[str, float]:
+def time_train_steps(run, steps: int, warmup: int, progress: StepProgress | None = None) -> dict[str, float]:
     """Mean wall time of ``steps`` train steps after ``warmup`` untimed ones, its phase split, the
     peak memory of the timed steps, and the warm-up's wall time and compilations (a graph compiled
-    during the timed steps, or code that dynamo gave up compiling, is warned about)."""
+    during the timed steps, or code that dynamo gave up compiling, is warned about). Each step runs
+    under ``progress`` (its bar and time limit; none by default)."""
     from dflash_train.train.colocated import train_step
     from dflash_train.train.run import TrainHooks
 
     device = run.info.device
     timer = PhaseTimer(device)
     hooks = TrainHooks()
+    progress = progress or StepProgress("train", warmup + steps, StepLimits(step_timeout_s=0, progress=False))
     before = compile_counts()
     t0 = time.perf_counter()
-    for _ in range(warmup):
-        train_step(run, timer, hooks)
-    _sync(device)
+    for index in range(warmup):
+        with progress.step(f"warm-up {index + 1}/{warmup}"):
+            train_step(run, timer, hooks)
+            _sync(device)
     warmup_s = time.perf_counter() - t0
     warmed = compile_counts()
     timer.collect()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    for _ in range(steps):
-        result = train_step(run, timer, hooks)
+    for index in range(steps):
+        with progress.step(f"step {index + 1}/{steps}"):
+            result = train_step(run, timer, hooks)
     _sync(device)
     step_s = (time.perf_counter() - t0) / steps
     phases = timer.collect()

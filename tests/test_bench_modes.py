@@ -1,0 +1,98 @@
+"""``dflash-train bench eval | checkpoint | decode`` on CPU with tiny presets: each mode's --json."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash_train.cli import main
+
+TINY_WORKLOAD = ["--preset", "tiny-qwen3", "--block-size", "4", "--prompt-len", "12", "--device", "cpu"]
+
+
+def run_json(args: list[str], capsys) -> dict:
+    assert main([*args, "--no-progress", "--json"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_eval_mode_times_each_phase_and_decode_mode_agrees_on_tau(capsys):
+    args = ["bench", "eval", *TINY_WORKLOAD, "--num-prompts", "3", "--max-new-tokens", "9"]
+    result = run_json([*args, "--batch-size", "2", "--decode"], capsys)
+    assert set(result["timings"]) == {"generate", "features", "drafter", "simulation", "total"}
+    assert result["timings"]["total"] == pytest.approx(
+        sum(v for k, v in result["timings"].items() if k != "total")
+    )
+    assert result["num_prompts"] == 3 and result["tokens"] == 3 * 9  # random weights never stop
+    assert result["prompts_per_min"] > 0 and result["random_drafter"] is True
+    assert set(result["tau"]) == {"dflash", "ngram"}
+    # fp32: the exact simulation and real decoding of the same prompts give the same tau
+    assert result["decode"]["tau"] == pytest.approx(result["tau"])
+    assert result["decode"]["seconds"] >= result["decode"]["plain_reference_s"] > 0
+    assert result["decode_vs_exact"] == pytest.approx(
+        result["decode"]["seconds"] / result["timings"]["total"]
+    )
+
+
+def test_eval_mode_refuses_a_tree_without_a_budget():
+    from dflash_train.bench.eval_speed import EvalBenchOptions
+
+    with pytest.raises(ValueError, match="ddtree needs --ddtree-budget"):
+        EvalBenchOptions(preset="tiny-qwen3", methods="dflash,ddtree")
+    with pytest.raises(ValueError, match="exactly one of --target DIR and --preset NAME"):
+        EvalBenchOptions()
+
+
+def test_decode_mode_compares_engines_prompt_by_prompt(capsys):
+    args = ["bench", "decode", *TINY_WORKLOAD, "--num-prompts", "2", "--max-new-tokens", "8"]
+    result = run_json(args, capsys)
+    engines = result["engines"]
+    assert set(engines) == {"dynamic", "static"}
+    for row in engines.values():
+        assert row["plain_tokens_per_s"] > 0 and row["dflash_tokens_per_s"] > 0
+        assert row["lossless"] is True and row["clear_divergences"] == 0 and "_outputs" not in row
+    # fp32 on CPU: both engines emit the same tokens for every prompt
+    assert result["identical_outputs"] == {"dynamic_vs_static": {"plain": 2, "dflash": 2}}
+
+
+def test_decode_mode_records_a_failing_engine_and_runs_the_others(capsys, monkeypatch):
+    import dflash_train.bench.decode as decode
+
+    real = decode.run_engine
+
+    def static_breaks(options, work, engine):
+        if engine == "static":
+            raise RuntimeError("capture failed")
+        return real(options, work, engine)
+
+    monkeypatch.setattr(decode, "run_engine", static_breaks)
+    args = ["bench", "decode", *TINY_WORKLOAD, "--num-prompts", "1", "--max-new-tokens", "4"]
+    result = run_json(args, capsys)
+    assert result["engines"]["static"] == {"error": "RuntimeError: capture failed"}
+    assert result["engines"]["dynamic"]["lossless"] is True and result["identical_outputs"] == {}
+
+
+@pytest.mark.parametrize("save_mode", ["gather", "dcp-sync", "dcp-async"])
+def test_checkpoint_mode_measures_each_save(save_mode, tmp_path, capsys):
+    args = ["bench", "checkpoint", "--dir", str(tmp_path / "scratch"), "--device", "cpu"]
+    result = run_json([*args, "--saves", "2", "--save-mode", save_mode], capsys)
+    assert result["save_mode"] == save_mode and result["preset"] == "tiny" and result["drafter_params"] > 0
+    assert len(result["saves"]) == 2
+    for save in result["saves"]:
+        assert 0 < save["stall_s"] <= save["wall_s"] and save["peak_rss_gib"] > 0
+        assert save["checkpoint_bytes"] > 4 * result["drafter_params"]  # fp32 weights at least
+    if save_mode == "dcp-sync":  # the whole save is the stall
+        assert all(save["wall_s"] - save["stall_s"] < 0.05 for save in result["saves"])
+    assert not (tmp_path / "scratch" / save_mode).exists()  # deleted when done
+
+
+def test_checkpoint_mode_all_runs_each_save_mode_in_its_own_process(tmp_path, capsys, monkeypatch):
+    import dflash_train.bench.checkpoint as checkpoint
+
+    monkeypatch.setattr(checkpoint, "SAVE_MODES", ("dcp-async",))  # one child process, not three
+    args = ["bench", "checkpoint", "--dir", str(tmp_path), "--saves", "1", "--device", "cpu"]
+    result = run_json(args, capsys)
+    assert list(result["modes"]) == ["dcp-async"]
+    child = result["modes"]["dcp-async"]
+    assert child["save_mode"] == "dcp-async" and len(child["saves"]) == 1 and "torch" not in child
+    assert result["device"] == "cpu" and result["torch"]
