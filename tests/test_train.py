@@ -121,3 +121,16 @@ def test_activation_checkpointing_gives_the_same_losses(task, tmp_path, monkeypa
     train(tiny_config(task, checkpointed, "train.max_steps=4", "train.activation_checkpointing=true"))
     assert len(calls) >= 4 * 2  # every drafter layer (2) of every step
     assert logged_losses(checkpointed) == pytest.approx(logged_losses(plain), rel=1e-6)
+
+
+def test_flex_recipe_on_a_cpu_trains_with_sdpa_and_says_so(task, tmp_path, capsys):
+    """The GPU recipes ask for flex attention, which PyTorch cannot train on a CPU: the run uses the
+    chunked SDPA path (the same masks) with a one-line notice naming the key, and trains exactly as
+    train.attention_backend=sdpa does."""
+    train(tiny_config(task, tmp_path / "sdpa", "train.max_steps=2", "train.attention_backend=sdpa"))
+    assert "train.attention_backend" not in capsys.readouterr().out
+    result = train(tiny_config(task, tmp_path / "flex", "train.max_steps=2", "train.attention_backend=flex"))
+    notices = [line for line in capsys.readouterr().out.splitlines() if "train.attention_backend" in line]
+    assert result["step"] == 2
+    assert len(notices) == 1 and "flex" in notices[0] and "sdpa" in notices[0] and "cpu" in notices[0]
+    assert logged_losses(tmp_path / "flex") == logged_losses(tmp_path / "sdpa")

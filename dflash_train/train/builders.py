@@ -53,7 +53,40 @@ def build_drafter(cfg: RunConfig, target, info: DistInfo):
         init_from_export(drafter, draft_config, cfg.drafter.init_from)
     apply_compile_and_checkpointing(drafter, cfg)
     model = wrap_drafter(drafter, cfg.train.parallel, DTYPES[cfg.train.dtype], info)
+    announce_backend(cfg, info)
     return draft_config, model
+
+
+# Devices on which PyTorch's flex attention has a forward but no backward (torch 2.5-2.13 refuse
+# them in ``flex_attention._validate_device``): training there needs the chunked SDPA path.
+FLEX_CANNOT_TRAIN_ON = ("cpu", "mps")
+
+
+def resolve_backend(cfg: RunConfig, info: DistInfo) -> str:
+    """The drafter's training attention on this device: ``train.attention_backend``, with ``auto`` =
+    flex on CUDA and chunked SDPA elsewhere, and flex = chunked SDPA where flex cannot train
+    (``FLEX_CANNOT_TRAIN_ON``). The two compute the same masked attention (tests/test_masks.py), so
+    a GPU recipe trains unchanged on a CPU; ``announce_backend`` says so once."""
+    backend = cfg.train.attention_backend
+    if backend == "auto":
+        return "flex" if info.device.type == "cuda" else "sdpa"
+    if backend == "flex" and info.device.type in FLEX_CANNOT_TRAIN_ON:
+        return "sdpa"
+    return backend
+
+
+def announce_backend(cfg: RunConfig, info: DistInfo) -> None:
+    """One line (the logging rank) when ``resolve_backend`` trains with another backend than the
+    recipe names."""
+    from dflash_train.train.logging import log_main
+
+    backend = resolve_backend(cfg, info)
+    if cfg.train.attention_backend not in ("auto", backend):
+        log_main(
+            f"train.attention_backend={cfg.train.attention_backend}: PyTorch cannot train it on "
+            f"{info.device.type}; training with {backend}, the same masked attention "
+            f"(set train.attention_backend={backend} to say so in the recipe)"
+        )
 
 
 def init_from_export(drafter: nn.Module, draft_config, path: str) -> None:
