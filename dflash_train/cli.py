@@ -1,5 +1,5 @@
-"""The ``dflash-train`` command line: train, demo, eval, bench, regen, synth, export, data-stats,
-serve-check.
+"""The ``dflash-train`` command line: train, demo, eval, bench, plot, regen, synth, export,
+data-stats, serve-check.
 
 Each subcommand's work lives in its own module and is imported only when that subcommand runs, so
 ``--help`` is instant. With ``--json`` the last line of stdout is one JSON object with the results.
@@ -92,6 +92,21 @@ def cmd_bench(args: argparse.Namespace) -> dict[str, Any]:
         return mode.run(options_from_args(mode.Options, args))
     except StepTimeout as err:  # the limit is a setting: exit 1 with one line, as for a refused one
         raise ValueError(f"{err} (raise it, or 0 for no limit)") from err
+
+
+def cmd_plot(args: argparse.Namespace) -> dict[str, Any]:
+    from dflash_train.eval.plots import redraw_acceptance
+    from dflash_train.train.plots import redraw_curves
+
+    drawn: dict[str, Any] = {}
+    for directory in args.directories:
+        files = [path for path in (redraw_curves(directory), redraw_acceptance(directory)) if path]
+        if not files:
+            raise ValueError(
+                f"{directory}: no metrics.jsonl (a training run) nor eval.json (eval --output-dir)"
+            )
+        drawn[directory] = files
+    return drawn
 
 
 def cmd_regen(args: argparse.Namespace) -> dict[str, Any]:
@@ -257,6 +272,13 @@ def build_parser() -> argparse.ArgumentParser:
         "`dflash-train bench MODE --help` lists a mode's options.",
     )
 
+    p = add(
+        "plot", cmd_plot, "Redraw curves.png (metrics.jsonl) and acceptance.png (eval.json) of a directory."
+    )
+    p.add_argument(
+        "directories", nargs="+", metavar="DIR", help="a training run directory or an eval --output-dir"
+    )
+
     p = add("regen", cmd_regen, "Regenerate the assistant turns of a chat dataset with the target.")
     p.add_argument("--target", required=True, help="target checkpoint directory or hub id")
     p.add_argument(
@@ -306,6 +328,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-samples", type=int, default=0, help="give up after this many samples (0 = 20 per row)"
     )
+    p.add_argument(
+        "--task-file",
+        default="",
+        help="YAML/JSON/JSONL tasks (name, share, system, seeds, turns) the prompts are steered to, or a "
+        "packaged name (chat-tasks); docs/data.md 'Steering synth to tasks'",
+    )
+    p.add_argument(
+        "--heldout-per-task", type=int, default=0, help="hold out each task's first N prompts (own file)"
+    )
+    p.add_argument("--heldout-dir", default="", help="held-out files <task>.jsonl (default: OUTPUT.heldout/)")
 
     p = add(
         "export",

@@ -122,7 +122,7 @@ def test_synth_two_turns_on_the_real_qwen_templates(tmp_path, monkeypatch, templ
         )
 
     monkeypatch.setattr(synthesizer.generator, "generate", fake_sample_batch)
-    ((_, messages, problem),) = synthesizer.draw([0])
+    ((_, _, messages, problem),) = synthesizer.draw([(0, 0)])
     assert problem is None and [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
     assert seen[0] == SYSTEM_TURN + "<|im_start|>user\n"
     assert seen[2] == (
@@ -201,7 +201,8 @@ def test_synth_resumes_exactly(chatty_dir, tmp_path):
     second = run_synth(options(chatty_dir, part, num_rows=8))
     assert second["rows"] == 8 and second["rows_new"] == 4
     assert read_rows(part) == read_rows(whole)
-    assert second["filtered"] == json.loads(open(str(whole) + ".state.json").read())["filtered"]
+    state = json.loads(open(str(whole) + ".state.json").read())
+    assert second["filtered"] == state["tasks"]["default"]["filtered"]
     with pytest.raises(ValueError, match="other settings"):
         run_synth(options(chatty_dir, part, num_rows=9, temperature=0.7))
     stray = tmp_path / "stray.jsonl"
@@ -257,7 +258,7 @@ def test_thinking_switch_reaches_the_template(tmp_path, monkeypatch, thinking, r
         ]
 
     monkeypatch.setattr(synthesizer.generator, "generate", fake_sample_batch)
-    ((_, messages, problem),) = synthesizer.draw([0])
+    ((_, _, messages, problem),) = synthesizer.draw([(0, 0)])
     assert problem is None and [m["role"] for m in messages] == ["user", "assistant", "user"]
     assert seen[0] == "<|im_start|>user\n"
     assert seen[1].endswith("<|im_start|>assistant\n" + reply_prompt_end)  # the reply prompt

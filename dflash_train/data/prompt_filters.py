@@ -5,7 +5,9 @@ Reasons, in the order they are tested: ``hit_token_limit`` (no end-of-turn token
 ``<|im_start|>`` header), ``empty_or_short``, ``not_printable`` (under 95% printable characters,
 U+FFFD from broken bytes included), ``exact_duplicate`` (same normalised text: NFKC, lower case,
 punctuation dropped, whitespace collapsed) and ``near_duplicate`` (Jaccard similarity of the
-normalised character 5-gram sets at or above the threshold with an earlier kept prompt).
+normalised character 5-gram sets at or above the threshold with an earlier kept prompt). ``synth``
+also counts ``reply_hit_token_limit`` (a reply between turns did not end) and ``heldout_overlap`` (a
+training prompt that is an exact or near duplicate of another task's held-out prompt).
 
 Near duplicates without pairwise comparison (locality-sensitive hashing): each prompt gets a
 signature of 24 min-hashes of its 5-gram set (the crc32 of every 5-gram through 24 random
@@ -43,6 +45,7 @@ REASONS = (
     "exact_duplicate",
     "near_duplicate",
     "reply_hit_token_limit",
+    "heldout_overlap",
 )
 NON_WORD = re.compile(r"[\W_]+", re.UNICODE)
 

@@ -1,4 +1,4 @@
-"""``dflash-train synth``: user prompts sampled from the target itself (Magpie).
+"""``dflash-train synth``: user prompts sampled from the target itself (Magpie), steered to tasks.
 
 An aligned chat model given its chat template rendered up to the start of a user turn (system
 prompt if the template adds one, then the user header, nothing else) writes a plausible user
@@ -7,30 +7,32 @@ Prompting Aligned LLMs with Nothing"). The pre-query prefix is found generically
 template with a sentinel user message and cut at the sentinel. Generation of the user turn stops at
 the token the template writes after a user message (``<|im_end|>``, ``<|eot_id|>``) or an EOS id.
 
-``--turns N`` alternates: prompt, the target's greedy reply (``--max-reply-tokens``), the next
+Tasks (``--task-file``, ``data.synth_tasks``): a system prompt before the user turn and optional
+openings of it steer what the target asks for (code, math, explanation, writing, multi-turn chat),
+each task with its share of the rows; every row records its task. ``--heldout-per-task N`` writes
+each task's first N kept prompts to its own file, and no training row repeats any of them.
+
+``turns`` > 1 alternates: prompt, the target's greedy reply (``--max-reply-tokens``), the next
 prompt sampled after that reply, ... and the row ends with a user turn, so ``regen`` writes (and
 rewrites) every reply. Every prompt passes the filters of ``data.prompt_filters``; the first user
-turn must not duplicate an earlier row.
+turn must not duplicate an earlier row of its task (exactly or nearly: min-hashed 5-gram sets).
 
-Output rows: ``{"messages": [...], "synth": {"seed", "index", "target", "turns"}}`` (a ``system``
-message first when ``--system`` is given). Each sample's randomness is keyed by its global index,
-so the rows are a function of the seed and settings, whatever the batch size. Resume: the output is
-appended to and fsynced per batch, then ``OUTPUT.state.json`` records the next sample index, the
-kept-row count and the filter counts; a rerun with the same settings continues exactly where the
-state says (rows written after the last state update are cut and redrawn identically).
+Output rows: ``{"messages": [...], "synth": {"seed", "index", "target", "turns", "task"}}``. Each
+sample's randomness is keyed by its task and index, so each task's rows are a function of the seed
+and settings, whatever the batch size. Resume: ``data.synth_state``.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from dflash_train.data.prompt_filters import PromptFilter
+from dflash_train.data.prompt_filters import REASONS, PromptFilter
 from dflash_train.data.special_tokens import (
     SENTINEL,
     end_of_turn_id,
@@ -39,6 +41,17 @@ from dflash_train.data.special_tokens import (
     resolve_eos_ids,
     special_token_ids,
     template_token_ids,
+)
+from dflash_train.data.synth_state import append_rows, load_state, read_rows, save_state
+from dflash_train.data.synth_tasks import (
+    TASK_KEY_SHIFT,
+    SynthTask,
+    apportion,
+    default_heldout_dir,
+    heldout_path,
+    resolve_tasks,
+    sample_budgets,
+    schedule,
 )
 from dflash_train.data.tokenize import (
     common_prefix_length,
@@ -88,10 +101,19 @@ class SynthOptions:
     near_dup_threshold: float = 0.8
     # Stop after drawing this many samples even if fewer rows were kept (0 = 20 per requested row).
     max_samples: int = 0
+    # Tasks to steer to (data.synth_tasks; "" = one task with --system), and per task the first N
+    # kept prompts written to HELDOUT_DIR/<task>.jsonl instead (default: OUTPUT minus .jsonl + .heldout/).
+    task_file: str = ""
+    heldout_per_task: int = 0
+    heldout_dir: str = ""
 
     def __post_init__(self):
         if self.num_rows < 1 or self.turns < 1 or self.batch_size < 1 or self.max_prompt_tokens < 1:
             raise ValueError("--num-rows, --turns, --batch-size and --max-prompt-tokens must be >= 1")
+        if self.heldout_per_task < 0:
+            raise ValueError(
+                f"--heldout-per-task {self.heldout_per_task}: give 0 (none) or a count of prompts"
+            )
         if self.thinking not in THINKING:
             raise ValueError(f"--thinking {self.thinking!r}: use one of {list(THINKING)}")
         Sampling(temperature=self.temperature, top_p=self.top_p)  # validates both
@@ -147,218 +169,292 @@ def history_end(tokenizer, history: list[dict], prefix: str, kwargs: dict) -> in
 
 
 class Synthesizer:
-    """The loaded target and everything needed to turn sample indices into kept rows."""
+    """The loaded target and everything needed to turn (task, sample index) pairs into kept rows."""
 
-    def __init__(self, opts: SynthOptions):
-        self.opts = opts
+    def __init__(self, opts: SynthOptions, tasks: list[SynthTask] | None = None):
+        tasks = tasks or resolve_tasks(opts.task_file, opts.system, opts.turns)
+        self.opts, self.tasks = opts, tasks
         self.model, self.tokenizer = load_generator(opts.target, resolve_device(opts.device))
         self.kwargs = template_kwargs(THINKING[opts.thinking])
         eos = resolve_eos_ids(self.tokenizer, getattr(self.model, "generation_config", None))
         self.user_stops = {end_of_turn_id(self.tokenizer, "user", self.kwargs), *eos}
+        multi_turn = any(t.turns > 1 for t in tasks)
         self.reply_stops = (
-            {end_of_turn_id(self.tokenizer, "assistant", self.kwargs), *eos} if opts.turns > 1 else set()
+            {end_of_turn_id(self.tokenizer, "assistant", self.kwargs), *eos} if multi_turn else set()
         )
         self.pad_id = pad_id(self.tokenizer, eos)
         self.special = set(special_token_ids(self.tokenizer))
         texts = [self.tokenizer.convert_ids_to_tokens(i) for i in template_token_ids(self.tokenizer)]
-        self.filter = PromptFilter(texts, opts.min_prompt_chars, opts.near_dup_threshold)
-        self.system = [{"role": "system", "content": opts.system}] if opts.system else []
-        self.first_prefix = magpie_prefix(self.tokenizer, self.system, self.kwargs)
+        # One duplicate index per task (so each task's rows depend on its own samples only), and one
+        # of every task's held-out prompts, which no training row may repeat.
+        self.filters = [PromptFilter(texts, opts.min_prompt_chars, opts.near_dup_threshold) for _ in tasks]
+        self.heldout_index = PromptFilter([], opts.min_prompt_chars, opts.near_dup_threshold)
+        self.systems = [[{"role": "system", "content": t.system}] if t.system else [] for t in tasks]
+        self.first_prefixes = [magpie_prefix(self.tokenizer, system, self.kwargs) for system in self.systems]
         self.sampling = Sampling(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
         self.generator = build_generator(self.model, num_slots=opts.batch_size)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def draw(self, indices: list[int]) -> list[tuple[int, list[dict] | None, str | None]]:
-        """(index, messages or None, rejection reason or None) for each sample index."""
-        conversations = {i: list(self.system) for i in indices}
-        problems: dict[int, str] = {}
-        for turn in range(self.opts.turns):
-            live = [i for i in indices if i not in problems]
+    def draw(self, samples: list[tuple[int, int]]) -> list[tuple[int, int, list[dict], str | None]]:
+        """(task, index, messages, rejection reason or None) for each (task, sample index)."""
+        conversations = {s: list(self.systems[s[0]]) for s in samples}
+        problems: dict[tuple[int, int], str] = {}
+        for turn in range(max(self.tasks[t].turns for t, _ in samples)):
+            live = [s for s in samples if s not in problems and self.tasks[s[0]].turns > turn]
             if turn > 0 and live:
                 self.add_replies(live, conversations, problems, turn)
-                live = [i for i in live if i not in problems]
+                live = [s for s in live if s not in problems]
             if live:
                 self.add_prompts(live, conversations, problems, turn)
-        return [(i, conversations[i], problems.get(i)) for i in indices]
+        return [(t, i, conversations[(t, i)], problems.get((t, i))) for t, i in samples]
 
-    def add_prompts(self, live: list[int], conversations: dict, problems: dict, turn: int) -> None:
-        if turn == 0:
-            prompts = [self.encode(self.first_prefix)] * len(live)
-        else:
-            prompts = [
-                self.encode(magpie_prefix(self.tokenizer, conversations[i], self.kwargs)) for i in live
-            ]
-        keys = [(i << 8) | (2 * turn) for i in live]
+    def add_prompts(self, live: list, conversations: dict, problems: dict, turn: int) -> None:
+        # A seed opens the first user turn only; the target continues it.
+        openings = [self.tasks[t].seed_for(i) if turn == 0 else "" for t, i in live]
+        prefixes = [
+            self.first_prefixes[s[0]]
+            if turn == 0
+            else magpie_prefix(self.tokenizer, conversations[s], self.kwargs)
+            for s in live
+        ]
         generations = self.generator.generate(
-            prompts,
-            keys,
+            [self.encode(prefix + opening) for prefix, opening in zip(prefixes, openings)],
+            [sample_key(s, 2 * turn) for s in live],
             max_new_tokens=self.opts.max_prompt_tokens,
             stop_ids=self.user_stops,
             pad_id=self.pad_id,
             sampling=self.sampling,
         )
-        for i, gen in zip(live, generations):
-            text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
+        for s, opening, gen in zip(live, openings, generations):
+            text = opening + self.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
             seen = any(t in self.special for t in gen.token_ids)
-            problem = self.filter.text_problem(text, gen.finished, seen)
+            problem = self.filters[s[0]].text_problem(text, gen.finished, seen)
             if problem:
-                problems[i] = problem
+                problems[s] = problem
             else:
-                conversations[i].append({"role": "user", "content": text.strip()})
+                conversations[s].append({"role": "user", "content": text.strip()})
 
-    def add_replies(self, live: list[int], conversations: dict, problems: dict, turn: int) -> None:
-        prompts = [self.encode(render(self.tokenizer, conversations[i], True, **self.kwargs)) for i in live]
+    def add_replies(self, live: list, conversations: dict, problems: dict, turn: int) -> None:
+        prompts = [self.encode(render(self.tokenizer, conversations[s], True, **self.kwargs)) for s in live]
         generations = self.generator.generate(
             prompts,
-            [(i << 8) | (2 * turn - 1) for i in live],
+            [sample_key(s, 2 * turn - 1) for s in live],
             max_new_tokens=self.opts.max_reply_tokens,
             stop_ids=self.reply_stops,
             pad_id=self.pad_id,
             sampling=Sampling(seed=self.opts.seed),  # greedy: what regen at temperature 0 writes
         )
-        for i, gen in zip(live, generations):
+        for s, gen in zip(live, generations):
             if not gen.finished:
-                problems[i] = "reply_hit_token_limit"
+                problems[s] = "reply_hit_token_limit"
             else:
                 text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
-                conversations[i].append({"role": "assistant", "content": text})
+                conversations[s].append({"role": "assistant", "content": text})
+
+    def remember(self, rows: list[tuple[str, str]], heldout: bool) -> None:
+        """Index rows already written (a resumed run) under their tasks' duplicate indexes."""
+        index = {t.name: i for i, t in enumerate(self.tasks)}
+        for task, text in rows:
+            if task not in index:
+                raise ValueError(f"{self.opts.output}: a row of task {task!r}, which the task file lacks")
+            self.filters[index[task]].remember(text)
+            if heldout:
+                self.heldout_index.remember(text)
+
+
+def sample_key(sample: tuple[int, int], turn_code: int) -> int:
+    """The generator key of a sample's turn: the default task (index 0) keeps synth's old keys."""
+    task, index = sample
+    return (((task << TASK_KEY_SHIFT) | index) << 8) | turn_code
 
 
 def run_synth(opts: SynthOptions) -> dict[str, Any]:
-    """Synthesize ``opts.num_rows`` prompt rows into ``opts.output``; returns the summary."""
-    from tqdm import tqdm
-
+    """Synthesize ``opts.num_rows`` prompt rows (and the held-out ones) into ``opts.output``."""
+    tasks = resolve_tasks(opts.task_file, opts.system, opts.turns)
+    names = [t.name for t in tasks]
     output, state_path = Path(opts.output), Path(str(opts.output) + ".state.json")
-    state = load_state(output, state_path, settings(opts))
-    synth = Synthesizer(opts)
-    for text in read_first_prompts(output):
-        synth.filter.remember(text)
-    synth.filter.counts.update(state["filtered"])
-    budget = opts.max_samples or 20 * opts.num_rows
-    start, kept0, t0 = state["next_index"], state["rows"], time.perf_counter()
-    bar = tqdm(total=opts.num_rows, initial=min(kept0, opts.num_rows), unit="row", desc="synth", disable=None)
+    heldout = heldout_files(opts, names)
+    state = load_state(output, heldout, state_path, settings(opts, tasks), names)
+    progress = [state["tasks"][name] for name in names]
+    synth = Synthesizer(opts, tasks)
+    synth.remember(read_rows(output), heldout=False)
+    for path in heldout.values():
+        synth.remember(read_rows(path), heldout=True)
+    for f, p in zip(synth.filters, progress):
+        f.counts.update(p["filtered"])
+    quotas = apportion([t.share for t in tasks], opts.num_rows)
+    start, t0 = [dict(p) for p in progress], time.perf_counter()
     output.parent.mkdir(parents=True, exist_ok=True)
-    with open(output, "a", encoding="utf-8") as out:
-        while state["rows"] < opts.num_rows and state["next_index"] < budget:
-            # Several samples per slot in one call: slots freed by short prompts are refilled at once.
-            end = min(state["next_index"] + QUEUE_ROWS_PER_SLOT * opts.batch_size, budget)
-            indices = list(range(state["next_index"], end))
-            written = write_batch(synth, opts, indices, out, state)
-            save_state(state_path, state, synth.filter.summary())
-            bar.update(written)
-            speed = {"tok_s": round(synth.generator.generated_tokens / (time.perf_counter() - t0))}
-            bar.set_postfix(synth.filter.summary() | {"drawn": state["next_index"]} | speed, refresh=False)
-    bar.close()
-    return summary(opts, state, synth.filter.summary(), kept0, start, time.perf_counter() - t0)
+    with open(output, "a", encoding="utf-8") as out, ExitStack() as stack:
+        files = {None: out} | {
+            n: stack.enter_context(open(p, "a", encoding="utf-8")) for n, p in heldout.items()
+        }
+        bar = ProgressBar(opts.num_rows, progress, synth.generator)
+        # Every task's held-out rows first: each training row is then checked against all of them.
+        synth_phase(synth, opts, state, files, bar, "heldout", [opts.heldout_per_task] * len(tasks), quotas)
+        synth_phase(synth, opts, state, files, bar, "train", quotas, quotas)
+        bar.close()
+    return summary(opts, tasks, progress, quotas, start, heldout, time.perf_counter() - t0)
 
 
-def write_batch(synth: Synthesizer, opts: SynthOptions, indices: list[int], out, state: dict) -> int:
-    """Draw, filter and append one batch; advances ``state``; returns the rows written."""
-    written = 0
-    for index, messages, problem in synth.draw(indices):
+def synth_phase(synth, opts, state, files, bar, phase: str, targets: list[int], quotas: list[int]) -> None:
+    """Batches until every task has ``targets`` rows of this phase (or its sample budget is spent);
+    after each, the rows are made durable, then the state that counts them."""
+    progress = [state["tasks"][t.name] for t in synth.tasks]
+    key = "heldout_rows" if phase == "heldout" else "rows"
+    budgets = sample_budgets([q + opts.heldout_per_task for q in quotas], opts.max_samples)
+    size = QUEUE_ROWS_PER_SLOT * opts.batch_size  # several samples per slot: freed slots refill at once
+    while batch := schedule(
+        synth.tasks, progress, [n - p[key] for n, p in zip(targets, progress)], budgets, size
+    ):
+        lines = write_batch(synth, opts, batch, progress, targets, phase)
+        for name, handle in files.items():
+            append_rows(handle, lines.get(name, []))
+        for f, p in zip(synth.filters, progress):
+            p["filtered"] = f.summary()
+        save_state(Path(str(opts.output) + ".state.json"), state)
+        bar.show()
+
+
+class ProgressBar:
+    """Kept training rows of all tasks, with the filter counts, samples drawn and tokens/s."""
+
+    def __init__(self, total: int, progress: list[dict], generator):
+        from tqdm import tqdm
+
+        self.total, self.progress, self.generator, self.t0 = total, progress, generator, time.perf_counter()
+        self.shown = min(state_rows(progress), total)
+        self.bar = tqdm(total=total, initial=self.shown, unit="row", desc="synth", disable=None)
+
+    def show(self) -> None:
+        rows = min(state_rows(self.progress), self.total)
+        self.bar.update(rows - self.shown)
+        self.shown = rows
+        speed = {"tok_s": round(self.generator.generated_tokens / (time.perf_counter() - self.t0))}
+        drawn = {"drawn": sum(p["next_index"] for p in self.progress)}
+        self.bar.set_postfix(sum_counts(self.progress) | drawn | speed, refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def write_batch(synth, opts, batch, progress, targets, phase) -> dict[str | None, list[str]]:
+    """Draw and filter one batch; advances ``progress``; returns the lines per file (None: the
+    training output, else the held-out file of that task)."""
+    lines: dict[str | None, list[str]] = {}
+    key = "heldout_rows" if phase == "heldout" else "rows"
+    for t, index, messages, problem in synth.draw(batch):
+        task, state = synth.tasks[t], progress[t]
+        if state[key] >= targets[t]:
+            continue  # this task is done; its later samples stay undrawn, so a longer rerun continues here
         state["next_index"] = index + 1
         first = next(m["content"] for m in messages if m["role"] == "user") if not problem else ""
-        problem = problem or synth.filter.duplicate_problem(first)
+        problem = problem or synth.filters[t].duplicate_problem(first)
+        if not problem and phase == "train" and synth.heldout_index.duplicate_problem(first):
+            problem = "heldout_overlap"
         if problem:
-            synth.filter.reject(problem)
+            synth.filters[t].reject(problem)
             continue
-        synth.filter.remember(first)
-        meta = {"seed": opts.seed, "index": index, "target": opts.target, "turns": opts.turns}
-        out.write(json.dumps({"messages": messages, "synth": meta}) + "\n")
-        state["rows"], written = state["rows"] + 1, written + 1
-        if state["rows"] >= opts.num_rows:
-            break  # later samples of this batch stay undrawn, so a longer rerun continues here
-    out.flush()
-    os.fsync(out.fileno())  # the rows are durable before the state that counts them
-    return written
+        synth.filters[t].remember(first)
+        if phase == "heldout":
+            synth.heldout_index.remember(first)
+        kept = messages if task.keep_system else [m for m in messages if m["role"] != "system"]
+        meta = {
+            "seed": opts.seed,
+            "index": index,
+            "target": opts.target,
+            "turns": task.turns,
+            "task": task.name,
+        }
+        lines.setdefault(task.name if phase == "heldout" else None, []).append(
+            json.dumps({"messages": kept, "synth": meta}) + "\n"
+        )
+        state[key] += 1
+    return lines
 
 
-def summary(opts, state, filtered, kept0, start, elapsed) -> dict[str, Any]:
-    rows_new, drawn = state["rows"] - kept0, state["next_index"] - start
-    complete = state["rows"] >= opts.num_rows
+def state_rows(progress: list[dict]) -> int:
+    return sum(p["rows"] for p in progress)
+
+
+def sum_counts(progress: list[dict]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for p in progress:
+        for reason, count in p["filtered"].items():
+            total[reason] = total.get(reason, 0) + count
+    return total
+
+
+def summary(opts, tasks, progress, quotas, start: list[dict], heldout, elapsed) -> dict[str, Any]:
+    """The result: totals (as before tasks existed) and per task rows, samples and filter counts."""
+    per_task = {}
+    for task, p, quota in zip(tasks, progress, quotas):
+        per_task[task.name] = {
+            "rows": p["rows"],
+            "quota": quota,
+            "heldout_rows": p["heldout_rows"],
+            "samples_drawn": p["next_index"],
+            "filtered": dict(p["filtered"]),
+            "complete": p["rows"] >= quota and p["heldout_rows"] >= opts.heldout_per_task,
+        }
+    rows, drawn = state_rows(progress), sum(p["next_index"] for p in progress)
+    rows_new = rows - sum(s["rows"] for s in start)
+    drawn_new = drawn - sum(s["next_index"] for s in start)
+    complete = all(t["complete"] for t in per_task.values())
     if not complete:
+        short = {
+            n: f"{t['rows']}/{t['quota']} rows, {t['heldout_rows']} held out"
+            for n, t in per_task.items()
+            if not t["complete"]
+        }
         print(
-            f"synth: stopped after {state['next_index']} samples with {state['rows']} of {opts.num_rows} rows "
-            f"kept (filters: {filtered}); raise --max-samples or loosen the filters",
+            f"synth: stopped after {drawn} samples with tasks short of their rows ({short}; filters: "
+            f"{sum_counts(progress)}); raise --max-samples or loosen the filters",
             file=sys.stderr,
         )
     return {
-        "rows": state["rows"],
+        "rows": rows,
         "rows_new": rows_new,
-        "samples_drawn": state["next_index"],
-        "filtered": filtered,
+        "heldout_rows": sum(p["heldout_rows"] for p in progress),
+        "samples_drawn": drawn,
+        "filtered": {reason: sum_counts(progress).get(reason, 0) for reason in REASONS},
         "complete": complete,
+        "tasks": per_task,
+        "heldout_files": {name: str(path) for name, path in heldout.items()},
         "rows_per_s": round(rows_new / elapsed, 2) if elapsed > 0 else 0.0,
-        "samples_per_s": round(drawn / elapsed, 2) if elapsed > 0 else 0.0,
+        "samples_per_s": round(drawn_new / elapsed, 2) if elapsed > 0 else 0.0,
         "elapsed_s": round(elapsed, 2),
         "output": opts.output,
     }
 
 
-# ----------------------------------------------------------------------------- resume
+# ----------------------------------------------------------------------------- settings
 
 
-def settings(opts: SynthOptions) -> dict[str, Any]:
+def heldout_files(opts: SynthOptions, names: list[str]) -> dict[str, Path]:
+    """The held-out file of every task ({} without ``--heldout-per-task``)."""
+    if not opts.heldout_per_task:
+        return {}
+    directory = Path(opts.heldout_dir) if opts.heldout_dir else default_heldout_dir(opts.output)
+    directory.mkdir(parents=True, exist_ok=True)
+    return {name: heldout_path(directory, name) for name in names}
+
+
+def settings(opts: SynthOptions, tasks: list[SynthTask]) -> dict[str, Any]:
+    """What decides the rows (a resume must use the same). Task and held-out keys appear only when
+    used, so state files from before they existed still resume."""
     values = asdict(opts)
-    return {k: values[k] for k in STATE_KEYS}
-
-
-def load_state(output: Path, state_path: Path, current: dict) -> dict[str, Any]:
-    """The resume state, after making the output agree with it (see the module docstring)."""
-    fresh = {"settings": current, "next_index": 0, "rows": 0, "filtered": {}}
-    if not state_path.is_file():
-        if output.is_file() and output.stat().st_size > 0:
-            raise ValueError(
-                f"{output} exists but has no {state_path.name}: use a new --output (or remove it)"
-            )
-        return fresh
-    state = json.loads(state_path.read_text())
-    changed = {k: (state["settings"].get(k), v) for k, v in current.items() if state["settings"].get(k) != v}
-    if changed:
-        raise ValueError(
-            f"{output} was written with other settings ({changed}, as (then, now)); rerun with the same "
-            "settings to continue it, or use a new --output"
+    current = {k: values[k] for k in STATE_KEYS}
+    if opts.task_file:
+        current["tasks"] = [t.to_dict() for t in tasks]
+    if opts.heldout_per_task:
+        current["heldout_per_task"] = opts.heldout_per_task
+        current["heldout_dir"] = str(
+            Path(opts.heldout_dir) if opts.heldout_dir else default_heldout_dir(opts.output)
         )
-    keep_rows(output, state["rows"])
-    return state
-
-
-def keep_rows(output: Path, num_rows: int) -> None:
-    """Cut ``output`` after its first ``num_rows`` complete lines (a torn line or unrecorded rows)."""
-    data = output.read_bytes() if output.is_file() else b""
-    keep = 0
-    for row in range(num_rows):
-        end = data.find(b"\n", keep)
-        if end < 0:
-            raise ValueError(
-                f"{output} has {row} complete rows but its state file counts {num_rows}: it was modified; "
-                "use a new --output"
-            )
-        keep = end + 1
-    if keep < len(data):
-        print(
-            f"synth: {output}: cutting {len(data) - keep} bytes written after the last recorded batch",
-            file=sys.stderr,
-        )
-        with open(output, "r+b") as fh:
-            fh.truncate(keep)
-
-
-def read_first_prompts(output: Path) -> list[str]:
-    """The first user turn of every row already written (to rebuild the duplicate index)."""
-    if not output.is_file():
-        return []
-    rows = [json.loads(line) for line in output.read_text(encoding="utf-8").splitlines()]
-    return [next(m["content"] for m in r["messages"] if m["role"] == "user") for r in rows]
-
-
-def save_state(path: Path, state: dict, filtered: dict[str, int]) -> None:
-    state["filtered"] = filtered
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(state, indent=1))
-    os.replace(tmp, path)  # atomic: a crash leaves the old or the new state, never half of one
+    return current
 
 
 def options_from_args(args) -> SynthOptions:
