@@ -284,18 +284,13 @@ def validate_packing(cfg: RunConfig) -> None:
 
 def validate_sittings(cfg: RunConfig) -> None:
     """train.time_limit_s / steps_per_process: a run in several processes continues its checkpoints."""
-    t = cfg.train
+    t, limited = cfg.train, bool(cfg.train.time_limit_s or cfg.train.steps_per_process)
     if t.time_limit_s < 0 or t.steps_per_process < 0:
         raise ValueError("train.time_limit_s and train.steps_per_process must be >= 0 (0 = no limit).")
-    if (t.time_limit_s or t.steps_per_process) and t.placement == "split":
-        raise NotImplementedError(
-            "train.time_limit_s / train.steps_per_process with train.placement=split: not implemented; use "
-            "train.placement=colocated, or end split sittings with SIGTERM (saves at the step boundary)."
-        )
-    if (t.time_limit_s or t.steps_per_process) and cfg.checkpoint.resume == "never":
-        raise ValueError(
-            "train.time_limit_s / train.steps_per_process with checkpoint.resume=never: the next sitting "
-            "would start the run again; use checkpoint.resume=auto (the default)."
+    if limited and (t.placement == "split" or cfg.checkpoint.resume == "never"):
+        raise (NotImplementedError if t.placement == "split" else ValueError)(
+            "train.time_limit_s / train.steps_per_process need train.placement=colocated (split placement: end "
+            "a sitting with SIGTERM) and checkpoint.resume=auto (the next sitting must continue the run)."
         )
 
 
