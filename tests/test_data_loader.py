@@ -154,6 +154,18 @@ def test_resume_with_different_data_is_refused(tokenizer, data_file, tmp_path):
         data.load_state_dict({"epoch": 0, "position": 0, "steps_per_epoch": data.steps_per_epoch + 1})
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_steps_per_epoch_at_another_world_size_is_what_that_world_size_builds(
+    tokenizer, data_file, tmp_path, packing
+):
+    """A resume on another number of ranks checks the data against the checkpoint's epoch with it."""
+    data = make_data(tokenizer, data_file, tmp_path, packing=packing)
+    for world_size in (1, 2, 3, 7):
+        built = make_data(tokenizer, data_file, tmp_path, world_size=world_size, packing=packing)
+        assert data.steps_per_epoch_at(world_size) == built.steps_per_epoch
+    assert data.steps_per_epoch_at(2) < data.steps_per_epoch
+
+
 def test_overlong_truncate_and_drop(tokenizer, data_file, tmp_path):
     longest = [64, 128]
     truncate = make_data(tokenizer, data_file, tmp_path, overlong="truncate")

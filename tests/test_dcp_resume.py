@@ -172,3 +172,39 @@ def test_resume_on_another_world_size_keeps_the_length_and_the_lr_schedule(
     assert state["world_size"] == resumed_world and state["step"] == total
     if resumed_world == 1:
         assert f"resuming a {saved_world}-rank checkpoint on 1 ranks" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- other data across world sizes
+
+
+def test_resume_on_another_world_size_refuses_other_data_naming_what_changed(
+    task, two_rank_checkpoint, tmp_path
+):
+    """data.paths may change on resume (a warning) as long as the epoch has the checkpoint's steps:
+    on another number of ranks that is checked at the checkpoint's world size, not skipped because
+    the data position is remapped."""
+    from tests.train_helpers import write_repeat_task
+
+    sharded, _ = two_rank_checkpoint
+    fewer = write_repeat_task(tmp_path / "fewer.jsonl", rows=24, seed=1)
+    out = fresh_run_from(sharded, tmp_path / "other-data")
+    cfg = tiny_config(task, out, *FSDP, "train.max_steps=6", f"data.paths=[{fewer}]")
+    with pytest.warns(UserWarning, match="changed data.paths"):
+        with pytest.raises(ValueError, match=r"data changed since the checkpoint") as refused:
+            train(cfg)
+    message = str(refused.value)
+    assert f"data.paths: checkpoint [{task['data']!r}] -> now [{str(fewer)!r}]" in message
+    assert "12 steps per epoch on its 2 ranks; the data now gives 6 on 2 ranks" in message
+    assert not rows(out)  # nothing trained
+
+
+def test_resume_on_another_world_size_with_the_same_data_moved_keeps_its_layout(
+    task, two_rank_checkpoint, tmp_path
+):
+    sharded, _ = two_rank_checkpoint
+    moved = tmp_path / "moved.jsonl"
+    shutil.copy(task["data"], moved)
+    out = fresh_run_from(sharded, tmp_path / "moved-data")
+    with pytest.warns(UserWarning, match="changed data.paths"):
+        result = train(tiny_config(task, out, *FSDP, "train.max_steps=6", f"data.paths=[{moved}]"))
+    assert result["step"] == 6

@@ -98,7 +98,10 @@ class TrainData:
         self.skips.merge(tokenized.skips)
         self.row_index, self.row_length, self.row_response = self._apply_overlong_policy()
         self.row_bucket = bucket_of(self.row_length, self.buckets)
-        self.groups_per_bucket = [self._num_groups(b) for b in range(len(self.buckets))]
+        # Real batches of an epoch per bucket, whatever the world size; each bucket's are grouped
+        # ``world_size`` at a time (filler batches complete the last group).
+        self.batches_per_epoch = [self._num_batches(b) for b in range(len(self.buckets))]
+        self.groups_per_bucket = [-(-n // world_size) for n in self.batches_per_epoch]
         self.steps_per_epoch = sum(self.groups_per_bucket)
         self.pack: PackingPlan | None = None
         if cfg.packing:
@@ -111,6 +114,7 @@ class TrainData:
                 world_size=world_size,
             )
             self.steps_per_epoch = self.pack.steps_per_epoch
+            self.batches_per_epoch = [self.pack.num_batches]
         self.epoch, self.position = 0, 0
         self._plan_epoch, self._plan = -1, []
         self.stats = self._compute_stats()
@@ -143,9 +147,8 @@ class TrainData:
             )
         return np.flatnonzero(keep), lengths[keep], response[keep]
 
-    def _num_groups(self, bucket: int) -> int:
-        num_batches = -(-int((self.row_bucket == bucket).sum()) // self.rows_per_batch[bucket])
-        return -(-num_batches // self.world_size)
+    def _num_batches(self, bucket: int) -> int:
+        return -(-int((self.row_bucket == bucket).sum()) // self.rows_per_batch[bucket])
 
     def _compute_stats(self) -> DataStats:
         if self.pack is not None:
@@ -243,6 +246,11 @@ class TrainData:
     def __len__(self) -> int:
         return self.steps_per_epoch
 
+    def steps_per_epoch_at(self, world_size: int) -> int:
+        """The steps per epoch this data gives on ``world_size`` ranks (a resume on another number of
+        ranks checks it against the checkpoint's at the checkpoint's world size)."""
+        return steps_per_epoch_at(self.batches_per_epoch, world_size)
+
     def __iter__(self):
         self._normalize()
         while self.position < self.steps_per_epoch:
@@ -296,6 +304,12 @@ class TrainData:
             )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self._normalize()
+
+
+def steps_per_epoch_at(batches_per_epoch: list[int], world_size: int) -> int:
+    """Steps per epoch per rank of an epoch with ``batches_per_epoch`` real batches per bucket (one
+    entry when packed): each bucket's batches are grouped ``world_size`` at a time."""
+    return sum(-(-n // world_size) for n in batches_per_epoch)
 
 
 def pad_token_id(tokenizer) -> int:

@@ -33,8 +33,8 @@ class PackingPlan:
         self.lengths, self.seed, self.capacity = lengths, seed, capacity
         self.rows, self.window, self.world_size = rows, window, world_size
         self.base = self._draw(0, 0)
-        num_batches = -(-len(self.base) // rows)
-        self.steps_per_epoch = -(-num_batches // world_size)
+        self.num_batches = -(-len(self.base) // rows)  # epoch 0's; later epochs fit in as many steps
+        self.steps_per_epoch = -(-self.num_batches // world_size)
         self.max_rows = self.steps_per_epoch * world_size * rows
         self._cache: dict[int, list[list[list[np.ndarray]]]] = {}
 

@@ -51,6 +51,18 @@ DRAFTER_KEYS_NOT_CHECKED = ("init_from",)
 SERVING_KEYS_NOT_CHECKED = ("torch_dtype", "dtype")
 # Recipe keys whose change is allowed with a warning.
 RESUME_WARN_ONLY = ("data.paths",)
+# Recipe keys that decide which rows an epoch holds and how they are batched.
+DATA_LAYOUT_KEYS = (
+    "data.paths",
+    "data.format",
+    "data.thinking",
+    "data.seq_buckets",
+    "data.token_budget",
+    "data.overlong",
+    "data.packing",
+    "data.pack_window",
+    "data.max_bad_rows",
+)
 
 
 _ABSENT = object()
@@ -145,3 +157,14 @@ def check_resume_compatible(
                 f"{_lookup(current, key)!r}; the saved data position (epoch, batch) is applied to the new data.",
                 stacklevel=2,
             )
+
+
+def describe_data_changes(saved: dict[str, Any], current: dict[str, Any]) -> str:
+    """The ``DATA_LAYOUT_KEYS`` that differ between two recipe dicts, as ``key: checkpoint old -> now
+    new``; with none, that the files themselves changed."""
+    changed = [
+        f"{key}: checkpoint {_lookup(saved, key)!r} -> now {_lookup(current, key)!r}"
+        for key in DATA_LAYOUT_KEYS
+        if _lookup(saved, key) != _lookup(current, key)
+    ]
+    return "; ".join(changed) or "the same data.* keys, so the files' contents"

@@ -323,7 +323,7 @@ def maybe_resume(run: Run) -> None:
     else:  # the older single-file layout: full state, loaded on every rank
         ckpt.load_model_state(run.model, loaded["drafter_state"], run.optimizer, state["optimizer"], path)
     run.scheduler.load_state_dict(state["scheduler"])
-    run.data.load_state_dict(data_position(run, state))
+    run.data.load_state_dict(data_position(run, state, loaded["config"]))
     run.counters.update(state["counters"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
@@ -370,7 +370,7 @@ def keep_schedule(run: Run, state: dict[str, Any]) -> None:
     run.scheduler = build_scheduler(run.optimizer, run.cfg, run.total_steps)
 
 
-def data_position(run: Run, state: dict[str, Any]) -> dict[str, int]:
+def data_position(run: Run, state: dict[str, Any], saved_recipe: dict[str, Any]) -> dict[str, int]:
     """The saved data position, remapped when the run resumes on another number of ranks.
 
     An epoch's batch order depends on the world size (batches are grouped one per rank), so there
@@ -378,13 +378,15 @@ def data_position(run: Run, state: dict[str, Any]) -> dict[str, int]:
     (at most part of one step's worth of the epoch is read again; none is skipped), and rows of that
     epoch may be seen twice or not at all until the next epoch starts. The length and LR schedule
     stay the run's (``keep_schedule``): a step now reads ``world_size`` batches, so the remaining
-    steps cover more (more ranks) or fewer (fewer ranks) epochs than planned. Logged, not refused.
+    steps cover more (more ranks) or fewer (fewer ranks) epochs than planned. Logged, not refused,
+    unless the data is not the checkpoint's (``check_same_epoch``).
     """
     data = dict(state["data"])
     saved_world = state.get("world_size", run.info.world_size)  # older checkpoints: not recorded
     if saved_world == run.info.world_size:
-        return data
+        return data  # the loader checks the steps per epoch itself
     old_steps, new_steps = data["steps_per_epoch"], run.data.steps_per_epoch
+    check_same_epoch(run, saved_world, old_steps, saved_recipe)
     position = data["position"] * new_steps // old_steps
     log_main(
         f"resuming a {saved_world}-rank checkpoint on {run.info.world_size} ranks: data position "
@@ -393,6 +395,27 @@ def data_position(run: Run, state: dict[str, Any]) -> dict[str, int]:
         f"its length ({run.total_steps} steps) and LR schedule"
     )
     return {**data, "position": position, "steps_per_epoch": new_steps}
+
+
+def check_same_epoch(run: Run, saved_world: int, saved_steps: int, saved_recipe: dict[str, Any]) -> None:
+    """Refuse a resume on another number of ranks whose data would not give the checkpoint's epoch.
+
+    The remapped position is a fraction of the checkpoint's epoch, which only means something on the
+    same data: the data now must give the checkpoint's steps per epoch at the checkpoint's world size
+    (the test the loader makes when the world size is unchanged; a changed ``data.paths`` that keeps
+    the epoch only warns). Every rank has the same data, so every rank raises together.
+    """
+    now_at_saved = run.data.steps_per_epoch_at(saved_world)
+    if now_at_saved == saved_steps:
+        return
+    changes = resume_check.describe_data_changes(saved_recipe, run.cfg.to_dict())
+    raise ValueError(
+        f"refusing to resume: the data changed since the checkpoint ({changes}). The checkpoint's run "
+        f"had {saved_steps} steps per epoch on its {saved_world} ranks; the data now gives {now_at_saved} "
+        f"on {saved_world} ranks ({run.data.steps_per_epoch} on the {run.info.world_size} ranks of this "
+        "run), so the saved data position cannot be carried over. Restore the checkpoint's data, or start "
+        "a new output_dir (drafter.init_from=<an export> starts from its weights)."
+    )
 
 
 def export_final(run: Run) -> Path:

@@ -243,7 +243,11 @@ def share_data_info(cfg: RunConfig, layout: SplitLayout, target) -> dict[str, An
             world_size=layout.num_drafter_ranks,
             pad_id=pad_token_id(target.tokenizer),
         )
-        stats = {"steps_per_epoch": shard0.steps_per_epoch, "log_stats": shard0.log_stats()}
+        stats = {
+            "steps_per_epoch": shard0.steps_per_epoch,
+            "batches_per_epoch": shard0.batches_per_epoch,
+            "log_stats": shard0.log_stats(),
+        }
         return {**stats, "target_kernels": target.kernels}
 
     tokenized, shared = tokenize_and_broadcast(
@@ -262,9 +266,15 @@ class StreamPosition:
     checkpoint resumes colocated with world size D and vice versa.
     """
 
-    def __init__(self, steps_per_epoch: int, stats: dict[str, float]):
+    def __init__(self, steps_per_epoch: int, stats: dict[str, float], batches_per_epoch: list[int]):
         self.steps_per_epoch, self.stats = steps_per_epoch, stats
+        self.batches_per_epoch = batches_per_epoch  # ``TrainData.batches_per_epoch`` of the stream
         self.micro, self.epoch = 0, 0
+
+    def steps_per_epoch_at(self, world_size: int) -> int:
+        from dflash_train.data.loader import steps_per_epoch_at
+
+        return steps_per_epoch_at(self.batches_per_epoch, world_size)
 
     def advance(self, epoch: int) -> None:
         self.micro, self.epoch = self.micro + 1, epoch
