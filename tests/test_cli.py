@@ -5,7 +5,18 @@ import pytest
 
 from dflash_train.cli import build_parser
 
-SUBCOMMANDS = ["train", "demo", "eval", "bench", "regen", "synth", "export", "data-stats", "serve-check"]
+SUBCOMMANDS = [
+    "train",
+    "demo",
+    "eval",
+    "bench",
+    "plot",
+    "regen",
+    "synth",
+    "export",
+    "data-stats",
+    "serve-check",
+]
 
 
 def test_top_level_help_lists_every_subcommand():

@@ -29,6 +29,11 @@ def test_quick_demo_trains_a_lossless_drafter_that_gets_accepted(tmp_path, monke
     for stage in ("1/6 target", "2/6 rows", "3/6 regen", "4/6 train", "5/6 export", "6/6 eval"):
         assert f"[demo] {stage} done in" in out
     assert "n-gram" in out and "lossless" in out
+    # the plots, drawn by default, and where they are
+    curves, acceptance = tmp_path / "demo" / "run" / "curves.png", tmp_path / "demo" / "acceptance.png"
+    assert curves.read_bytes()[:4] == acceptance.read_bytes()[:4] == b"\x89PNG"
+    assert result["curves_png"] == str(curves) and result["acceptance_png"] == str(acceptance)
+    assert f"plots: {curves} (training curves), {acceptance}" in out
 
 
 def test_demo_refuses_a_workdir_it_did_not_create(tmp_path):

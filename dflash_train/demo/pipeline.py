@@ -14,7 +14,8 @@ Six stages, each through the code path a user would run on a real model:
    lossless check (``eval.runner.evaluate``).
 
 Everything lands in ``workdir``: ``data/`` (prompts, regenerated rows, token cache), ``run/``
-(config, metrics.jsonl, checkpoints, ``export/``) and ``demo_result.json``.
+(config, metrics.jsonl, curves.png, checkpoints, ``export/``), ``acceptance.png`` and
+``demo_result.json``.
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ def run_demo(quick: bool = False, workdir: str | Path = "runs/demo") -> dict[str
         report = evaluate_drafter(target_dir, export_dir, eval_path, settings)
     timings["total"] = time.perf_counter() - started
     result = summarize(report, trained, regen, timings, root, target_dir, export_dir, quick)
+    result["acceptance_png"] = plot_demo_acceptance(report, eval_path, root)
     (root / "demo_result.json").write_text(json.dumps(result, indent=2) + "\n")
     print_summary(result, report)
     return result
@@ -131,7 +133,7 @@ def prepare_workdir(root: Path) -> Path:
         raise ValueError(
             f"--workdir {root} exists and was not made by the demo: pass an empty or new directory"
         )
-    for name in ("data", "run", "demo_result.json"):
+    for name in ("data", "run", "demo_result.json", "acceptance.png"):
         path = root / name
         if path.is_dir():
             shutil.rmtree(path)
@@ -370,6 +372,14 @@ def evaluate_drafter(target_dir: Path, export_dir: Path, eval_path: Path, settin
     return report
 
 
+def plot_demo_acceptance(report: dict, eval_path: Path, root: Path) -> str:
+    """``root/acceptance.png``: acceptance by block position of DFlash and n-gram (eval/plots.py)."""
+    from dflash_train.eval.plots import ACCEPTANCE_PNG, plot_acceptance
+
+    per_file = [{"file": str(eval_path), "methods": report["methods"]}]
+    return plot_acceptance(per_file, root / ACCEPTANCE_PNG, title="demo: acceptance by block position")
+
+
 # ----------------------------------------------------------------------------- summary
 
 
@@ -403,6 +413,7 @@ def summarize(
         "target": str(target_dir),
         "run_dir": str(root / "run"),
         "metrics": str(root / "run" / "metrics.jsonl"),
+        "curves_png": str(root / "run" / "curves.png"),
         "workdir": str(root),
     }
 
@@ -422,6 +433,8 @@ def print_summary(result: dict[str, Any], report: dict) -> None:
         f"  time: {seconds['total']:.0f}s total ({stages})",
         f"  exported drafter: {result['export']}",
         f"  run logs: {result['metrics']} (config.yaml and checkpoints beside it)",
+        f"  plots: {result['curves_png']} (training curves), {result['acceptance_png']} (acceptance by "
+        f"block position); `dflash-train plot {result['run_dir']}` redraws the curves",
         "",
     ]
     print("\n".join(lines), flush=True)

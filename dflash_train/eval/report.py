@@ -18,11 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from dflash_train.eval.diagnosis import summarize_diagnosis
+from dflash_train.eval.plots import (
+    ACCEPTANCE_PNG,
+    EVAL_JSON,
+    METHOD_LABELS,
+    acceptance_title,
+    plot_acceptance,
+)
 from dflash_train.eval.runner import summarize, summarize_plain
 from dflash_train.eval.summary import ratio, summarize_rounds
 from dflash_train.eval.verdict import divergence_line, verdict_line
 
-METHOD_LABELS = {"dflash": "DFlash", "ngram": "n-gram", "ngram+dflash": "n-gram+DFlash", "ddtree": "DDTree"}
 # Rows of the printed per-position accuracy of the diagnosis: (group, label).
 DIAGNOSIS_ROWS = (
     ("anchors", "every anchor"),
@@ -242,45 +248,10 @@ def diagnosis_lines(rows, width: int) -> list[str]:
     return lines
 
 
-def write_outputs(result: dict[str, Any], directory: Path) -> dict[str, str | None]:
-    """``eval.json`` (the full result) and ``acceptance.png`` (None when matplotlib is missing)."""
+def write_outputs(result: dict[str, Any], directory: Path) -> dict[str, str]:
+    """``eval.json`` (the full result) and ``acceptance.png`` (eval/plots.py) in ``directory``."""
     directory.mkdir(parents=True, exist_ok=True)
-    json_path = directory / "eval.json"
+    json_path = directory / EVAL_JSON
     json_path.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    return {
-        "eval_json": str(json_path),
-        "acceptance_png": plot_acceptance(result, directory / "acceptance.png"),
-    }
-
-
-def plot_acceptance(result: dict[str, Any], path: Path) -> str | None:
-    """Acceptance by block position, one line per method and prompt file."""
-    try:
-        import matplotlib
-    except ImportError:
-        print(
-            f"eval: {path.name} not written: matplotlib is not installed (pip install matplotlib); "
-            "eval.json has the same numbers",
-            file=sys.stderr,
-        )
-        return None
-    matplotlib.use("Agg")  # files only; no display needed
-    import matplotlib.pyplot as plt
-
-    styles = {"dflash": "-", "ngram": ":", "ngram+dflash": "-.", "ddtree": "--"}
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for row in result["per_file"]:
-        for method, numbers in row["methods"].items():
-            accept = numbers["per_position_acceptance"]
-            label = f"{METHOD_LABELS[method]} {Path(row['file']).name} (tau {_fmt(numbers['tau'])})"
-            ax.plot(range(1, len(accept) + 1), accept, styles[method], marker="o", label=label)
-    ax.set_xlabel("block position k")
-    ax.set_ylabel("acceptance rate of draft k")
-    ax.set_ylim(0, 1.02)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title(f"acceptance by block position ({result['tau_mode']} mode)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return str(path)
+    png = plot_acceptance(result["per_file"], directory / ACCEPTANCE_PNG, title=acceptance_title(result))
+    return {"eval_json": str(json_path), "acceptance_png": png}

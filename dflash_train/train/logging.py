@@ -4,6 +4,7 @@ Rank 0 by default; ``set_main_rank`` moves it (split placement logs from the fir
 
 ``MetricsLogger`` writes every logged step to ``run_dir/metrics.jsonl`` (one JSON object a line,
 the record that always exists), drives a progress bar or prints one human line per logging step,
+redraws ``curves.png`` beside it after every held-out evaluation and when closed (train/plots.py),
 and optionally mirrors scalars to TensorBoard and Weights & Biases (imported lazily, only when
 enabled). It only ever receives Python numbers: the trainer does its ``.item()`` calls on logging
 steps, so ``advance`` can run every step without a host sync.
@@ -97,6 +98,7 @@ class MetricsLogger:
             else None
         )
         self._jsonl = open(run_dir / "metrics.jsonl", "a")  # closed in close()
+        self._run_dir = run_dir
         use_bar = cfg.progress_bar == "on" or (cfg.progress_bar == "auto" and sys.stderr.isatty())
         self._bar = (
             tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr)
@@ -104,6 +106,7 @@ class MetricsLogger:
             else None
         )
         self._start_time = time.perf_counter()
+        self._plot_failed = False
         # (step, time) at each advance; the window opens at the first finished step, so start-up and
         # compilation before it do not inflate the ETA.
         self._step_times: deque[tuple[int, float]] = deque(maxlen=ETA_WINDOW_STEPS)
@@ -138,6 +141,22 @@ class MetricsLogger:
             self._bar.set_postfix({k: f"{v:.4g}" for k, v in postfix.items()}, refresh=False)
         else:
             log_main(self.format_line(step, metrics))
+        if "eval_tau" in metrics:  # a held-out evaluation: its point on the curves
+            self.draw_curves()
+
+    def draw_curves(self) -> None:
+        """Redraw ``curves.png`` beside ``metrics.jsonl`` (train/plots.py). A plot that fails is
+        reported once and training goes on: this is a deliberate recovery boundary."""
+        from dflash_train.train.plots import redraw_curves
+
+        try:
+            redraw_curves(self._run_dir)
+        except Exception as err:  # a figure must never stop a run
+            if not self._plot_failed:
+                log_main(
+                    f"warning: curves.png not drawn ({type(err).__name__}: {err}); metrics.jsonl is complete"
+                )
+            self._plot_failed = True
 
     def eta_seconds(self, step: int) -> float | None:
         """Remaining time from the moving average step time; None until two steps were timed."""
@@ -179,6 +198,7 @@ class MetricsLogger:
         if not self.is_main or self._jsonl.closed:
             return
         self._jsonl.close()
+        self.draw_curves()
         if self._bar is not None:
             self._bar.close()
         if self._tensorboard is not None:
