@@ -1,9 +1,23 @@
 #!/usr/bin/env bash
-# GPU checks and benchmarks on one H200 (torch 2.11, no network): logs go to $OUT (or ./gpu-logs).
-# Usage: scripts/gpu_checks.sh [checks|bench|bench2|ablation|shapes|longest|loose|all]   (fla-core wheels in .whl/, see docs/performance.md)
+# The GPU procedure on one H200: the GPU test suite, then the benchmarks (`dflash-train bench MODE`).
+# One log per step and a summary line each (exit code, seconds, last line: the JSON result) go to
+# $OUT (default ./gpu-logs). docs/performance.md says what each step measured last time.
+#
+# Usage: scripts/gpu_checks.sh [GROUP ...]     (default: all)
+#   tests       pytest -m gpu (the whole GPU suite, its wall time in the summary)
+#   train       bench train at the Qwen3.6-27B shape: 4K bf16 (+ kernel profile) and FP8, 32K, 128K
+#               with activation checkpointing, 2 rows, the drafter alone at 8,000 tokens
+#   lengths     bench lengths short-chat and mixed-chat (buckets against packing)
+#   checkpoint  bench checkpoint at the Qwen3.6-27B drafter shape (gather, DCP, DCP async) on $CKPT_DIR
+#   eval        bench eval at the Qwen3.6-27B shape (8 layers); with $SMOLLM2 also the 164 x 512 bar
+#   decode      bench decode (needs $SMOLLM2, a SmolLM2-135M-Instruct directory)
+#   multi       scripts/gpu_multi_smoke.sh (NCCL smoke runs; a machine with 2+ GPUs)
+# The fla-core (and torchao) wheels in .whl/ are installed first when present.
 set -u
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
-what=${1:-all}
+CKPT_DIR=${CKPT_DIR:-/tmp/ckpt-bench}
+SMOLLM2=${SMOLLM2:-}
+groups=("$@"); [ ${#groups[@]} -eq 0 ] && groups=(tests train lengths checkpoint eval decode)
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
@@ -11,47 +25,54 @@ else
   export PYTHONPATH=$PWD
 fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-step() {  # step NAME TIMEOUT CMD...
+step() {  # step NAME TIMEOUT CMD...: run CMD under a wall-clock limit, log it, summarize it
   local name=$1 limit=$2; shift 2
   local t0=$(date +%s)
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   local rc=$?
-  printf '%-28s rc=%-3s %4ss  %s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" "$(tail -n 1 "$OUT/$name.log" | cut -c1-300)" | tee -a "$OUT/summary.txt"
+  printf '%-24s rc=%-3s %5ss  %s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" "$(tail -n 1 "$OUT/$name.log" | cut -c1-400)" | tee -a "$OUT/summary.txt"
 }
+bench_step() {  # bench_step NAME TIMEOUT MODE ARGS...: one `dflash-train bench` command as a step
+  local name=$1 limit=$2; shift 2
+  step "$name" "$limit" python3 -m dflash_train.cli bench "$@" --no-progress --json
+}
+q36=(--preset qwen3.6-27b)
+git log -1 --format='commit %h %cs' 2>/dev/null | tee -a "$OUT/summary.txt"
 python3 -c "import torch, transformers, fla; print('torch', torch.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/summary.txt"
-if [ "$what" = checks ] || [ "$what" = all ]; then
-  step gpu_tests 240 python3 -m pytest -q -x -m gpu tests
-  step target_check 180 python3 scripts/gpu_check_target.py
-  step drafter_check 300 python3 scripts/gpu_check_drafter.py
-  step bench_tiny_cuda 120 python3 -m dflash_train.cli bench --preset tiny --device cuda --steps 3 --json
-fi
-if [ "$what" = bench ] || [ "$what" = all ]; then
-  step bench_27b_4k 200 python3 -m dflash_train.cli bench --preset qwen3.6-27b --profile "$OUT/profile_4k.txt" --json
-  step bench_27b_128k_ckpt 230 python3 -m dflash_train.cli bench --preset qwen3.6-27b --seq-len 131072 --num-anchors 8192 --activation-checkpointing --steps 2 --warmup 1 --json
-  step bench_27b_4k_rows2 160 python3 -m dflash_train.cli bench --preset qwen3.6-27b --rows 2 --steps 4 --json
-fi
-if [ "$what" = ablation ]; then
-  step ablation 420 python3 scripts/gpu_ablation.py
-  step gpu_tests 150 python3 -m pytest -q -x -m gpu tests
-fi
-if [ "$what" = shapes ]; then
-  step shapes 560 python3 scripts/gpu_ablation.py --only shapes
-fi
-if [ "$what" = longest ]; then  # the 128K row that ran out of memory in `bench`, without allocator fragmentation
-  step bench_27b_128k_ckpt_expandable 270 env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -m dflash_train.cli bench --preset qwen3.6-27b --seq-len 131072 --num-anchors 8192 --activation-checkpointing --steps 1 --warmup 1 --json
-fi
-if [ "$what" = bench2 ]; then
-  step bench_27b_full_sdpa 200 python3 -m dflash_train.cli bench --preset qwen3.6-27b --attention-backend sdpa --no-compile --json
-fi
-if [ "$what" = loose ]; then  # the GPU figures of the loose-ends round: saves, length mixes, the speed floor
-  df -h /tmp | tee -a "$OUT/summary.txt"
-  step ckpt_bench 300 python3 scripts/gpu_checkpoint_bench.py --dir /tmp/ckpt-bench
-  rm -rf /tmp/ckpt-bench
-  step bench_27b_bf16 150 python3 -m dflash_train.cli bench --preset qwen3.6-27b --json
-  step bench_27b_fp8 150 python3 -m dflash_train.cli bench --preset qwen3.6-27b --target-fp8 --json
-  step bench_short_chat 200 python3 -m dflash_train.cli bench --preset qwen3.6-27b --lengths short-chat --json
-  step bench_mixed_chat 240 python3 -m dflash_train.cli bench --preset qwen3.6-27b --lengths mixed-chat --json
-fi
-if [ "$what" = gpu_tests ]; then  # the whole GPU suite, with its wall time in summary.txt
-  step gpu_tests_all 560 python3 -m pytest -q -m gpu tests
-fi
+for group in "${groups[@]}"; do
+  case $group in
+    tests)
+      step gpu_tests 1800 python3 -m pytest -q -m gpu tests ;;
+    train)
+      bench_step train_tiny_cuda 180 train --preset tiny --device cuda --steps 3
+      bench_step train_27b_4k 600 train "${q36[@]}" --profile "$OUT/profile_4k.txt"
+      bench_step train_27b_4k_fp8 600 train "${q36[@]}" --target-fp8
+      bench_step train_27b_32k 600 train "${q36[@]}" --seq-len 32768 --num-anchors 2048 --steps 2 --warmup 1
+      bench_step train_27b_32k_fp8 600 train "${q36[@]}" --target-fp8 --seq-len 32768 --num-anchors 2048 --steps 2 --warmup 1
+      bench_step train_27b_128k_ckpt 600 train "${q36[@]}" --seq-len 131072 --num-anchors 8192 --activation-checkpointing --steps 1 --warmup 1
+      bench_step train_27b_4k_rows2 600 train "${q36[@]}" --rows 2 --steps 4
+      bench_step train_27b_drafter_8k 600 train "${q36[@]}" --drafter-only --seq-len 8000 --num-anchors 1024 --steps 3 --warmup 1 ;;
+    lengths)
+      bench_step lengths_short_chat 900 lengths short-chat "${q36[@]}" --steps 30 --warmup 2
+      bench_step lengths_mixed_chat 900 lengths mixed-chat "${q36[@]}" --steps 30 --warmup 2 ;;
+    checkpoint)
+      df -h "$(dirname "$CKPT_DIR")" | tee -a "$OUT/summary.txt"
+      bench_step checkpoint_27b 900 checkpoint "${q36[@]}" --dir "$CKPT_DIR" --saves 2
+      rm -rf "$CKPT_DIR" ;;
+    eval)
+      bench_step eval_27b_8layers 600 eval "${q36[@]}" --num-layers 8 --num-prompts 32 --max-new-tokens 128
+      if [ -n "$SMOLLM2" ]; then
+        bench_step eval_smollm2_164x512 600 eval --target "$SMOLLM2" --num-prompts 164 --max-new-tokens 512 --batch-size 64 --ignore-eos
+      fi ;;
+    decode)
+      if [ -n "$SMOLLM2" ]; then
+        bench_step decode_smollm2 600 decode --target "$SMOLLM2" --num-prompts 8 --max-new-tokens 256
+      else
+        echo "decode: skipped (set SMOLLM2 to a SmolLM2-135M-Instruct directory)" | tee -a "$OUT/summary.txt"
+      fi ;;
+    multi)
+      OUT=$OUT scripts/gpu_multi_smoke.sh "${GPUS:-2}" ;;
+    *)
+      echo "unknown group $group (tests train lengths checkpoint eval decode multi)" >&2; exit 2 ;;
+  esac
+done

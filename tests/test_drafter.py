@@ -179,7 +179,7 @@ def test_sdpa_matches_dense_reference(batch, reference, chunk, trim):
 @pytest.mark.parametrize("is_causal", [True, False])
 def test_flex_matches_dense_reference(batch, reference, is_causal):
     # Flex attention has no CPU backward in torch 2.13: the forward is compared here, the
-    # backward on the GPU (scripts/gpu_check_drafter.py).
+    # backward on the GPU (tests/test_gpu_shapes.py, at the Qwen3.6-27B drafter shape).
     features, ids, anchors, embed = batch
     drafter = make_drafter(is_causal=is_causal)
     with torch.no_grad():
