@@ -116,6 +116,22 @@ def test_the_metrics_logger_draws_curves_at_each_evaluation_and_at_close(tmp_pat
     assert curves.read_bytes() != at_eval[1]  # the end of the run: step 3 is on it now
 
 
+def test_a_run_ending_on_an_evaluation_is_drawn_once(tmp_path, monkeypatch):
+    import dflash_train.train.plots as plots
+    from dflash_train.config import LoggingConfig
+    from dflash_train.train.logging import MetricsLogger
+
+    drawn = []
+    monkeypatch.setattr(plots, "redraw_curves", drawn.append)
+    logger = MetricsLogger(
+        tmp_path, LoggingConfig(progress_bar="off"), total_steps=2, is_main=True, config_dict={}
+    )
+    logger.log(1, {"loss": 2.0})
+    logger.log(2, {"loss": 1.0, "eval_tau": 1.5})  # the last step's evaluation
+    logger.close()
+    assert drawn == [tmp_path]  # at the evaluation; nothing new to draw at close
+
+
 def test_a_failing_plot_never_stops_training(tmp_path, monkeypatch, capsys):
     import dflash_train.train.plots as plots
     from dflash_train.config import LoggingConfig

@@ -106,7 +106,7 @@ class MetricsLogger:
             else None
         )
         self._start_time = time.perf_counter()
-        self._plot_failed = False
+        self._plot_failed, self._undrawn_rows = False, False
         # (step, time) at each advance; the window opens at the first finished step, so start-up and
         # compilation before it do not inflate the ETA.
         self._step_times: deque[tuple[int, float]] = deque(maxlen=ETA_WINDOW_STEPS)
@@ -130,6 +130,7 @@ class MetricsLogger:
         record = {"step": step, "elapsed_s": round(time.perf_counter() - self._start_time, 3), **metrics}
         self._jsonl.write(json.dumps(finite_or_null(record)) + "\n")
         self._jsonl.flush()
+        self._undrawn_rows = True
         scalars = flatten_scalars(metrics)
         if self._tensorboard is not None:
             for name, value in scalars.items():
@@ -149,6 +150,7 @@ class MetricsLogger:
         reported once and training goes on: this is a deliberate recovery boundary."""
         from dflash_train.train.plots import redraw_curves
 
+        self._undrawn_rows = False
         try:
             redraw_curves(self._run_dir)
         except Exception as err:  # a figure must never stop a run
@@ -198,7 +200,8 @@ class MetricsLogger:
         if not self.is_main or self._jsonl.closed:
             return
         self._jsonl.close()
-        self.draw_curves()
+        if self._undrawn_rows:  # the end of the run, unless its last row (an evaluation) is drawn
+            self.draw_curves()
         if self._bar is not None:
             self._bar.close()
         if self._tensorboard is not None:
