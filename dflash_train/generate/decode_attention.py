@@ -1,19 +1,23 @@
-"""Attention of one decode token per slot over that slot's live cache: GQA-native, no cache copies.
+"""Attention of one decode token per slot over that slot's cache: GQA-native, no cache copies.
 
 transformers' sdpa path, given the slot cache's 4D mask, expands K and V from the key/value heads to
 the query heads (``repeat_kv``): every layer copied every slot's whole attended cache every step,
-73% of the slot engine's GPU time on one H200 (docs/performance.md). The two kernels here read the
-cache where it lies, [S, Hkv, C, D], and group the query heads of each key/value head instead
-(query head h reads key/value head h // G, transformers' convention):
+73% of the slot engine's GPU time on one H200. The two kernels here read the cache where it lies,
+[S, Hkv, C, D], and group the query heads of each key/value head instead (query head h reads
+key/value head h // G, transformers' convention):
 
+- ``grouped`` (the default): two batched matmuls over the attended indices (the engine's bucket, a
+  multiple of 256 above the longest running row) with an additive mask [S, 1, 1, kv]. cuBLAS reads
+  the bucket at near copy bandwidth. In bf16 the scores are rounded to bf16 before the fp32 softmax
+  (sdpa keeps them in fp32); on SmolLM2-135M every resulting difference from the flex kernel's
+  replies was a tie by the eval's verdict (docs/performance.md).
 - ``flex``: PyTorch's FlexAttention with a ``BlockMask`` built from the slots' positions: slot r
   lists only the cache blocks up to its position, so the decoding kernel reads the blocks the slot
-  really holds, whatever the capacity or the other slots' lengths (work per step scales with the
-  live tokens). Compiled on CUDA (the flex decoding kernel, GQA heads packed per key/value head);
-  the same call runs uncompiled elsewhere (slow, for tests).
-- ``grouped``: two batched matmuls over the attended indices (the engine's bucket) with an
-  additive mask [S, 1, 1, kv]: no copy either, but it reads the whole bucket and, in bf16, rounds
-  the scores to bf16. The CPU default (fp32), and the GPU comparison in the generation benchmark.
+  really holds, whatever the capacity or the other slots' lengths. Compiled on CUDA (the flex
+  decoding kernel, GQA heads packed per key/value head); uncompiled elsewhere (slow, for tests).
+  Measured on one H200 it is slower than ``grouped`` at chat lengths (SmolLM2-135M, 1,024 slots:
+  11.3 vs 7.6 ms per step; the Qwen3.6-27B shape: equal), so it is an option, for very ragged or
+  long contexts where a bucket would read far more than the live tokens.
 
 Both are one function registered with transformers' attention interface (``SLOT_DECODE``) that
 dispatches on the mask it is handed; the engine switches a model to it for its decode steps only
@@ -38,8 +42,8 @@ FLEX_BLOCK = 128  # cache indices per BlockMask block (FlexAttention's default b
 
 
 def default_decode_attention(device: torch.device) -> str:
-    """flex on CUDA (compiled decoding kernel, live blocks only); grouped elsewhere (exact in fp32)."""
-    return "flex" if device.type == "cuda" else "grouped"
+    """grouped on every device: the faster of the two on one H200 at chat lengths (module docstring)."""
+    return "grouped"
 
 
 def slot_decode_attention(
@@ -97,7 +101,9 @@ class LiveBlockMask:
 
     def __init__(self, positions: torch.Tensor, capacity: int):
         if capacity % FLEX_BLOCK:
-            raise ValueError(f"flex decode needs a capacity that is a multiple of {FLEX_BLOCK}, got {capacity}")
+            raise ValueError(
+                f"flex decode needs a capacity that is a multiple of {FLEX_BLOCK}, got {capacity}"
+            )
         self.positions, self.capacity = positions, capacity
         num_slots, num_blocks = positions.shape[0], capacity // FLEX_BLOCK
         # Block b of every slot is block b of the cache: the same list for all, materialised (the

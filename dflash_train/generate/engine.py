@@ -10,13 +10,16 @@ takes the next one, so a batch never waits for its longest row: the moment a row
   preallocated ``SlotCache`` (``generate/slot_cache.py``): attention K/V per slot from index 0,
   GatedDeltaNet conv/recurrent states per slot (fixed size, updated in place).
 - Decode step: one token for every slot, shape [S, 1] whatever the rows' lengths: position ids
-  are each slot's own, K/V are written at each slot's own index, and a 4D mask shows slot r the
-  indices <= its position. The step reads and writes only preallocated buffers (last tokens,
-  positions, step counts, done/stopped flags, the generated tokens [S, max_new_tokens]), so on
-  CUDA it is captured as a CUDA graph and replayed. It attends the first ``kv_length`` cache
-  indices, a bucket (multiple of ``kv_bucket``) above every running row's position, which the host
-  knows without a sync; one graph per bucket, all in one memory pool (no graph keeps live tensors
-  across replays: its results go to the engine's buffers).
+  are each slot's own, K/V are written at each slot's own index, and the decode attention
+  (``generate/decode_attention.py``: GQA-native, no copy of the cache) shows slot r the indices <=
+  its position. The step reads and writes only preallocated buffers (last tokens, positions, step
+  counts, done/stopped flags, the generated tokens [S, max_new_tokens], the stop ids and step
+  hashes, refilled in place by each call), so on CUDA it is captured as a CUDA graph and replayed,
+  also by later calls. The grouped attention attends the first ``kv_length`` cache indices, a
+  bucket (multiple of ``kv_bucket``) above every running row's position, which the host knows
+  without a sync (one graph per bucket); flex attends each slot's live blocks of the whole
+  capacity (one graph). All graphs share one memory pool (no graph keeps live tensors across
+  replays: its results go to the engine's buffers).
 - Host: every ``check_every`` steps one sync reads the done flags; finished rows' tokens are
   collected and their slots refilled once at least ``refill_fraction`` of the slots are free
   (or nothing is running), so small prefills do not interrupt decoding every step.
