@@ -58,13 +58,17 @@ def test_bench_help_lists_every_registered_mode(capsys):
             assert hasattr(module, attribute), (name, attribute)
 
 
-@pytest.mark.parametrize("mode", ["train", "lengths", "eval", "checkpoint", "decode"])
-def test_every_mode_has_json_progress_and_a_step_timeout(mode, capsys):
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["bench", mode, "--help"])
-    out = capsys.readouterr().out
-    for option in ("--json", "--step-timeout-s", "--no-progress"):
-        assert option in out, (mode, option)
+def test_every_mode_has_json_progress_and_a_step_timeout(capsys):
+    from dflash_train.bench.modes import MODES
+    from dflash_train.bench.progress import StepLimits
+
+    for mode, module in MODES.items():
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["bench", mode, "--help"])
+        out = capsys.readouterr().out
+        for option in ("--json", "--step-timeout-s", "--no-progress"):
+            assert option in out, (mode, option)
+        assert issubclass(module.Options, StepLimits), mode  # its run gets the limits and the bar
 
 
 def test_other_commands_do_not_import_the_bench_modes():
