@@ -105,7 +105,7 @@ def read_length_file(path: Path) -> tuple[np.ndarray, np.ndarray | None]:
     """Lengths (and response counts, when every row has them) of a JSONL length file."""
     if not path.is_file():
         raise ValueError(
-            f"--lengths {path}: not a file nor one of {sorted(LENGTH_DISTRIBUTIONS)}; give a JSONL with "
+            f"bench lengths {path}: not a file nor one of {sorted(LENGTH_DISTRIBUTIONS)}; give a JSONL with "
             '{"length": N} (optionally "response_tokens") per line, or a distribution name.'
         )
     lengths, responses = [], []
@@ -122,7 +122,7 @@ def read_length_file(path: Path) -> tuple[np.ndarray, np.ndarray | None]:
         lengths.append(length)
         responses.append(row.get("response_tokens") if isinstance(row, dict) else None)
     if not lengths:
-        raise ValueError(f"--lengths {path}: the file has no rows")
+        raise ValueError(f"bench lengths {path}: the file has no rows")
     known = None if any(r is None for r in responses) else np.asarray(responses, dtype=np.int64)
     return np.asarray(lengths, dtype=np.int64), known
 
