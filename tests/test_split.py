@@ -283,6 +283,43 @@ def test_a_tokenization_bug_on_target_rank_0_fails_every_rank_at_once(setup):
     assert seconds < 150
 
 
+@pytest.mark.parametrize("failed_step,async_write", [(3, "false"), (6, "true")])
+def test_a_failed_save_stops_the_target_ranks_with_the_drafters_at_once(setup, failed_step, async_write):
+    """The commit of a save fails for lack of space (drafter rank 0; synchronous at step 3, or the
+    background commit of the last save, found after the loop): the target rank stops with the
+    drafters' one-line error within seconds, not at a gloo error when they exit or at
+    train.dist_timeout_s."""
+    root, overrides = setup
+    run_dir = root / f"save-fails-{failed_step}"
+    spec = {
+        "mode": "split",
+        "overrides": [
+            *overrides,
+            f"output_dir={run_dir}",
+            f"checkpoint.async_write={async_write}",
+            *split_overrides(1, 2),
+        ],
+        "fail_save_step": failed_step,
+        "timeout": 300,
+    }
+    codes, seconds = launch(spec, 3, run_dir, timeout_s=200)
+    assert all(code != 0 for code in codes), logs(run_dir)
+    failures = [json.loads((run_dir / "results" / f"rank{r}.json").read_text()) for r in range(3)]
+    for failure in failures:
+        assert failure["error"].startswith(
+            f"CheckpointWriteError: checkpoint of step {failed_step} not saved: "
+        )
+    # The target rank (0) has drafter rank 0's (global 1) line, which names the full disk.
+    assert "no space left on the device" in failures[1]["error"]
+    assert (
+        failures[0]["error"].startswith(failures[1]["error"])
+        and "target rank 0 stopped" in failures[0]["error"]
+    )
+    failed_at = [f["time"] for f in failures]
+    assert max(failed_at) - min(failed_at) < 10, failed_at
+    assert seconds < 150
+
+
 # ----------------------------------------------------------------------------- worker (one rank)
 
 
@@ -317,6 +354,19 @@ def worker(spec: dict) -> None:
             return real_save(*args, **kwargs)
 
         ckpt.save_checkpoint = recording_save
+    if spec.get("fail_save_step"):
+        import errno
+
+        from dflash_train.train import checkpoint as ckpt
+
+        real_fsync = ckpt._fsync_file
+
+        def fsync_on_a_full_disk(path):
+            if path.name == ckpt.STATE_NAME and f"step-{spec['fail_save_step']:08d}" in str(path.parent):
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            real_fsync(path)
+
+        ckpt._fsync_file = fsync_on_a_full_disk
     if spec.get("plant_tokenize_error"):
         from dflash_train.data import cache
 

@@ -127,7 +127,12 @@ def open_logger(run: Run) -> MetricsLogger:
 
 def save_due(run: Run, stopping: bool) -> bool:
     """Whether this step ends with a checkpoint: every ``checkpoint.every_steps``, the last, a stop."""
-    return stopping or run.step % run.cfg.checkpoint.every_steps == 0 or run.step == run.total_steps
+    return save_due_at(run.cfg, run.step, run.total_steps, stopping)
+
+
+def save_due_at(cfg: RunConfig, step: int, total: int, stopping: bool) -> bool:
+    """``save_due`` after step ``step`` of ``total`` (split placement's target ranks have no ``Run``)."""
+    return stopping or step % cfg.checkpoint.every_steps == 0 or step == total
 
 
 def run_result(

@@ -16,6 +16,11 @@ targets already sent. On log and save steps every rank reports to drafter rank 0
 target ranks' data positions against its own before writing the checkpoint (one folder, one
 commit marker). Drafter rank 0 is also the rank that logs (``logging.set_main_rank``).
 
+Saves. Only the drafter ranks write (their votes run over the drafter group), but every rank learns
+the outcome: after each save, and after the loop (the last save's background commit), one more
+all-ranks vote (``share_save_outcome``), so on a failed save the target ranks raise the drafters'
+one-line ``CheckpointWriteError`` with them instead of waiting in the next step's vote.
+
 Legend: T target ranks, D drafter ranks, M micro-batches per optimizer step (``train.grad_accum``).
 """
 
@@ -38,6 +43,7 @@ from dflash_train.data.batching import Batch
 from dflash_train.models.dtypes import DTYPES, resolve_dtype
 from dflash_train.train import builders
 from dflash_train.train import checkpoint as ckpt
+from dflash_train.train import checkpoint_space as space
 from dflash_train.train.faults import GracefulStop, Watchdog, any_rank_flags, report_deferred_stop
 from dflash_train.train.logging import log_main, set_main_rank
 from dflash_train.train.loss import add_metrics
@@ -52,6 +58,7 @@ from dflash_train.train.run import (
     run_result,
     save,
     save_due,
+    save_due_at,
     settle_saves,
     total_steps,
     write_run_info,
@@ -148,9 +155,12 @@ def run_target_rank(
                 )
             if report_step(cfg, step + 1, total, stopping):
                 exchange_reports(layout, producer.report(step + 1))
+            if save_due_at(cfg, step + 1, total, stopping):
+                share_save_outcome(layout, info.device, None)  # the drafters save after this step
             if stopping:
                 break
         producer.sender.drain()  # the drafters drain what was sent beyond their last step
+    share_save_outcome(layout, info.device, None)  # the last save's commit (background) went through
     done = min(step + 1, total)
     return {
         "role": "target",
@@ -292,12 +302,12 @@ def run_drafter_rank(
                         logger.log(run.step, row)
                     logger.advance(run.step)
                     if save_due(run, stopping):
-                        saved = save(run, **split_train_state(run, ctx, reports))
+                        saved = save_with_targets(run, ctx, reports)
                     if stopping:
                         drain(run, ctx)
                         log_main(f"stop requested: saved {saved} at step {run.step}; exiting")
                         break
-            settle_saves(run)  # the last save's failure, if any, stops every drafter rank here
+            settle_with_targets(run, ctx)  # the last save's failure, if any, stops every rank here
         finally:
             run.writer.close()  # the last checkpoint is committed before the export and the exit
         export = export_final(run) if run.step >= run.total_steps else None
@@ -431,6 +441,44 @@ def split_log_row(run: Run, result: dict, window: LogWindow, timer: PhaseTimer, 
             f"split step {run.step}: bottleneck {side} (target busy {row['split_target_busy_frac']:.0%}, drafter busy {row['split_drafter_busy_frac']:.0%}, queue depth max {row['split_queue_depth_max']})",
         )
     return row
+
+
+def save_with_targets(run: Run, ctx: DrafterContext, reports) -> Path:
+    """Drafter ranks: ``run.save``, whose outcome the target ranks learn (``share_save_outcome``)."""
+    error = None
+    try:
+        path = save(run, **split_train_state(run, ctx, reports))
+    except space.CheckpointWriteError as err:  # raised on every drafter rank together (the save's votes)
+        error = err
+    share_save_outcome(ctx.layout, run.info.device, error)
+    return path
+
+
+def settle_with_targets(run: Run, ctx: DrafterContext) -> None:
+    """Drafter ranks, after the loop: wait for the last save's commit; every rank learns its outcome."""
+    error = None
+    try:
+        settle_saves(run)
+    except space.CheckpointWriteError as err:  # raised on every drafter rank together
+        error = err
+    share_save_outcome(ctx.layout, run.info.device, error)
+
+
+def share_save_outcome(layout: SplitLayout, device: torch.device, error: BaseException | None) -> None:
+    """Every rank, at the same point after a save: one all-ranks vote on whether it failed (``error``:
+    a drafter rank's ``CheckpointWriteError``, None on target ranks). On a failure drafter rank 0's
+    one-line message reaches every rank and every rank raises: the drafters their own error, the target
+    ranks the message, so they stop at once instead of in the next step's vote (at a peer's exit or
+    ``train.dist_timeout_s``)."""
+    if not any_rank_flags([error is not None], device)[0]:
+        return
+    message = [str(error) if error is not None else None]
+    dist.broadcast_object_list(message, src=layout.drafter_main)
+    if error is not None:
+        raise error
+    raise space.CheckpointWriteError(
+        f"{message[0]} (target rank {layout.rank} stopped with the drafter ranks)"
+    )
 
 
 def split_train_state(run: Run, ctx: DrafterContext, reports) -> dict[str, Any]:
