@@ -451,9 +451,7 @@ def settings(opts: SynthOptions, tasks: list[SynthTask]) -> dict[str, Any]:
         current["tasks"] = [t.to_dict() for t in tasks]
     if opts.heldout_per_task:
         current["heldout_per_task"] = opts.heldout_per_task
-        current["heldout_dir"] = str(
-            Path(opts.heldout_dir) if opts.heldout_dir else default_heldout_dir(opts.output)
-        )
+        current["heldout_dir"] = opts.heldout_dir  # as given: "" (beside the output) moves with it
     return current
 
 
