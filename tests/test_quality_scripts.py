@@ -1,0 +1,101 @@
+"""The GPU drivers' bookkeeping (scripts/gpu_quality.py, scripts/gpu_data_scale.py), without a model:
+where a run is, the scale subsets cut once, and the synth bundle that carries prompts to a fresh machine."""
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = Path(__file__).parents[1] / "scripts"
+
+
+@pytest.fixture(scope="module")
+def scale():
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        spec = importlib.util.spec_from_file_location("gpu_data_scale", SCRIPTS / "gpu_data_scale.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(SCRIPTS))
+
+
+def scale_args(tmp_path, **overrides):
+    values = dict(work=tmp_path / "work", out=tmp_path / "out", scales="4,8,20", steps=100, epochs=0)
+    return argparse.Namespace(**(values | overrides))
+
+
+def test_run_status_reads_the_newest_sitting(scale, tmp_path):
+    args = scale_args(tmp_path)
+    assert scale.quality.run_status(args, "a") == {
+        "step": 0,
+        "total_steps": None,
+        "finished": False,
+        "sittings": 0,
+    }
+    run = args.work / "run-a"
+    run.mkdir(parents=True)
+    rows = [
+        {"sitting": 1, "end_step": 40, "total_steps": 100, "finished": False, "stopped": "time_limit"},
+        {"sitting": 2, "end_step": 100, "total_steps": 100, "finished": True, "stopped": None},
+    ]
+    (run / "sittings.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    assert scale.quality.run_status(args, "a")["step"] == 40
+    (run / "sittings.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    status = scale.quality.run_status(args, "a")
+    assert status["finished"] and status["sittings"] == 2 and status["step"] == 100
+
+
+def test_a_runs_own_data_paths_come_after_the_common_ones(scale, tmp_path):
+    args = scale_args(tmp_path, recipe="tiny-cpu", target="T", common="train.max_steps=5 data.paths=[x]")
+    command = scale.quality.train_command(args, "a", ["data.paths=[mine]"], {"train_rows": Path("rows")}, 540)
+    assert (
+        command.index("data.paths=[mine]")
+        > command.index("data.paths=[x]")
+        > command.index("data.paths=[rows]")
+    )
+    assert "train.time_limit_s=540" in command
+
+
+def test_scale_subsets_are_cut_once_and_the_last_takes_what_regen_made(scale, tmp_path):
+    args = scale_args(tmp_path, epochs=3)
+    args.work.mkdir()
+    regen = args.work / "regen.jsonl"
+    regen.write_text("".join(f'{{"row": {i}}}\n' for i in range(10)))
+    status = {"regen": {"done": 6, "total": 12}}  # regen still running: only the 4 and 8 row subsets
+    runs = scale.scale_runs(args, status)
+    assert [name for name, _ in runs] == ["rows-4", "rows-4-epochs", "rows-8", "rows-8-epochs"]
+    assert "train.num_epochs=3" in runs[1][1] and "train.max_steps=100" in runs[0][1]
+    regen.write_text("".join(f'{{"row": {i}}}\n' for i in range(10, 22)))  # the rows change under it
+    status["regen"] |= {"done": 12, "exhausted": True}  # finished with fewer rows than the last scale
+    runs = scale.scale_runs(args, status)
+    assert [name for name, _ in runs][-2:] == ["rows-20", "rows-20-epochs"]
+    assert (args.work / "regen-4.jsonl").read_text().splitlines()[0] == '{"row": 0}'  # never rewritten
+    assert status["subsets"] == {"4": 4, "8": 8, "20": 12}
+
+
+def test_the_synth_bundle_carries_prompts_heldout_files_and_state_to_a_fresh_machine(
+    scale, tmp_path, monkeypatch
+):
+    args = scale_args(tmp_path, synth_from=None)
+    (args.work / "prompts.heldout").mkdir(parents=True)
+    files = {
+        "prompts.jsonl": "x" * 5000,
+        "prompts.jsonl.state.json": "{}",
+        "prompts.heldout/code.jsonl": "c",
+        "prompts.heldout/math.jsonl": "m",
+    }
+    for name, text in files.items():
+        (args.work / name).write_text(text)
+    monkeypatch.setattr(scale, "PART_BYTES", 64)  # several parts
+    scale.bundle_synth(args)
+    parts = sorted(p.name for p in args.out.iterdir())
+    assert len(parts) > 1 and all(p.startswith("synth.part") for p in parts)
+    fresh = scale_args(tmp_path, work=tmp_path / "fresh", synth_from=args.out)
+    fresh.work.mkdir()
+    scale.restore_synth(fresh)
+    assert {name: (fresh.work / name).read_text() for name in files} == files
