@@ -35,7 +35,9 @@ class WindowDone(Exception):
 
 def profile_decode(model, prompts, stops, batch_size: int, args, out_dir: Path) -> dict:
     rows = (prompts * (batch_size // len(prompts) + 1))[:batch_size]  # every slot busy in the window
-    engine = SlotEngine(model, num_slots=batch_size, check_every=args.check_every, kv_bucket=args.kv_bucket)
+    engine = SlotEngine(
+        model, num_slots=batch_size, check_every=args.check_every, kv_bucket=args.kv_bucket or None
+    )
     step_s, live_tokens = time_window(engine, rows, stops, args)
     per_step = traffic_per_step(engine, live_tokens)
     floor_s = per_step["total"] / COPY_BANDWIDTH
@@ -44,7 +46,7 @@ def profile_decode(model, prompts, stops, batch_size: int, args, out_dir: Path) 
         num_slots=batch_size,
         use_cuda_graphs=False,
         check_every=args.check_every,
-        kv_bucket=args.kv_bucket,
+        kv_bucket=args.kv_bucket or None,
     )
     table, shares = profile_window(eager, rows, stops, args)
     path = out_dir / f"decode_profile_{batch_size}.txt"
@@ -55,7 +57,7 @@ def profile_decode(model, prompts, stops, batch_size: int, args, out_dir: Path) 
         "cuda_graphs": engine.use_cuda_graphs,
         "step_ms": step_s * 1e3,
         "live_tokens_per_slot": live_tokens / batch_size,
-        "traffic_gb_per_step": {k: round(v / 1e9, 3) for k, v in per_step.items()},
+        "traffic_bytes_per_step": {k: int(v) for k, v in per_step.items()},
         "floor_ms": floor_s * 1e3,
         "step_over_floor": step_s / floor_s,
         **shares,

@@ -1,5 +1,6 @@
-"""Generation engines side by side (``generate/engine.py``): rows/s, generated tokens/s, peak memory,
-and whether their greedy outputs agree (the eval's tie-aware verdict).
+"""``dflash-train bench generation``: the generation engines side by side (``generate/engine.py``):
+rows/s, generated tokens/s, peak memory, and whether their greedy outputs agree (the eval's
+tie-aware verdict).
 
 Engines: ``padded`` (the padded-batch loop synth and regen ran before, ``generate.sampling.sample_batch``,
 run in waves of ``--batch-size`` rows), ``slots`` (the slot engine: continuous batching over
@@ -12,11 +13,11 @@ autotuning). The first engine's greedy outputs are the reference; each other eng
 row by row and every first divergence is judged by ``eval.verdict`` (logits of one plain target
 forward: a tie within bf16 rounding, or a clear margin / length difference = a bug).
 
-    python3 -m dflash_train.bench.generation --target /path/smollm2 --batch-sizes 1024 \\
+    dflash-train bench generation --target /path/smollm2 --batch-sizes 1024 \\
         --num-prompts 2048 --max-new-tokens 512 --profile
-    python3 -m dflash_train.bench.generation --preset qwen3.6-27b --num-layers 8 \\
-        --batch-sizes 64 256 --num-prompts 512 --max-new-tokens 256 --num-stop-ids 2
-    python3 -m dflash_train.bench.generation --preset tiny-hybrid --device cpu \\
+    dflash-train bench generation --preset qwen3.6-27b --num-layers 8 \\
+        --batch-sizes 64,256 --num-prompts 512 --max-new-tokens 256 --num-stop-ids 2
+    dflash-train bench generation --preset tiny-hybrid --device cpu \\
         --batch-sizes 4 --num-prompts 10 --max-new-tokens 16 --num-stop-ids 3 --profile   # dry run
 
 ``--profile`` adds, per batch size, a profile of the slot engine's decode step (``bench.decode_profile``):
@@ -26,9 +27,10 @@ by operator, with the share spent copying (written to ``decode_profile_<batch>.t
 
 Random-weight presets rarely emit EOS: ``--num-stop-ids K`` makes K random token ids stop ids so
 rows end at different lengths (what continuous batching is for); a checkpoint stops at its EOS ids.
-Each step runs under ``--timeout-s`` (a step past it is recorded as ``timeout``); ``--out`` (default
-``$OUT/generation_bench.json``, else ./generation_bench.json) is rewritten after every step, and a
-short table is printed last.
+Each step (an engine's warm-up and timed run, a verdict, a profile) runs under ``--step-timeout-s``;
+a step that fails or runs past it is recorded with its error and the next one runs. ``--out``
+(default ``$OUT/generation_bench.json``, else ./generation_bench.json) is rewritten after every
+step, and a short table goes to stderr last.
 """
 
 from __future__ import annotations
@@ -38,99 +40,139 @@ import gc
 import json
 import os
 import random
-import signal
+import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from dflash_train.bench.decode_profile import profile_decode
-from dflash_train.eval.verdict import describe_divergence, verdict
+from dflash_train.bench.progress import StepLimits, StepProgress
 from dflash_train.generate.engine import PaddedEngine, SlotEngine
 from dflash_train.generate.sampling import Sampling
 
-
-class StepTimeout(Exception):
-    pass
-
-
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--target", help="HF checkpoint directory (with tokenizer)")
-    where.add_argument("--preset", help="random-weight target preset, e.g. qwen3.6-27b, tiny-hybrid")
-    p.add_argument("--num-layers", type=int, default=None, help="preset: build only the first N layers")
-    p.add_argument("--prompts", default="", help="JSONL prompt file (default: built-in chat prompts)")
-    p.add_argument("--num-prompts", type=int, default=512)
-    p.add_argument("--prompt-len", type=int, nargs=2, default=[32, 256], help="preset: random length range")
-    p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[64, 256])
-    p.add_argument("--engines", nargs="+", default=["padded", "slots", "slots-grouped", "slots-eager"])
-    p.add_argument("--profile", action="store_true", help="profile the slot engine's decode step")
-    p.add_argument("--num-stop-ids", type=int, default=0, help="preset: random stop ids (0: none)")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--check-every", type=int, default=4, help="slot engine: steps between host syncs")
-    p.add_argument("--kv-bucket", type=int, default=None, help="slot engine: attended-length granularity")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--timeout-s", type=float, default=600.0, help="per step (warm-up, timed run, verdict)")
-    p.add_argument("--out", default="")
-    return p.parse_args()
+HELP = "Generation engines (slots on either decode attention, padded): rows/s, tokens/s, decode profile."
+ENGINES = ("padded", "slots", "slots-flex", "slots-grouped", "slots-eager")
 
 
-def build(args, device: torch.device, dtype: torch.dtype):
-    """(model, prompts as token ids, stop ids)."""
+@dataclass(frozen=True, kw_only=True)
+class GenerationBenchOptions(StepLimits):
+    """What ``dflash-train bench generation`` measures; the defaults are the CLI's."""
+
+    # An HF checkpoint directory (with tokenizer), or "" with a preset.
+    target: str = ""
+    # A random-weight target preset (models/presets.py), e.g. qwen3.6-27b, tiny-hybrid; or "".
+    preset: str = ""
+    # Preset only: build the first N decoder layers (0 = all).
+    num_layers: int = 0
+    # A JSONL prompt file ("" = the built-in chat requests); checkpoint targets only.
+    prompts: str = ""
+    num_prompts: int = 512
+    # Preset only: random prompt lengths, "MIN,MAX" tokens.
+    prompt_len: str = "32,256"
+    max_new_tokens: int = 512
+    # Comma lists: slot counts, and engines (padded, slots, slots-flex, slots-grouped, slots-eager).
+    batch_sizes: str = "64,256"
+    engines: str = "padded,slots,slots-eager"
+    # Preset only: this many random token ids stop rows (random weights rarely emit EOS).
+    num_stop_ids: int = 0
+    temperature: float = 0.0
+    check_every: int = 4
+    kv_bucket: int = 0  # 0: the engine's default
+    profile: bool = False
+    dtype: str = "auto"
+    device: str = "auto"
+    out: str = ""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if bool(self.target) == bool(self.preset):
+            raise ValueError("give exactly one of --target DIR and --preset NAME")
+        if set(self.engine_list) - set(ENGINES) or not self.engine_list:
+            raise ValueError(f"--engines {self.engines!r}: a comma list of {', '.join(ENGINES)}")
+        if not self.batch_size_list or min(self.batch_size_list) < 1 or min(self.prompt_len_range) < 1:
+            raise ValueError("--batch-sizes and --prompt-len take positive integers, e.g. 64,256 and 32,256")
+
+    @property
+    def engine_list(self) -> list[str]:
+        return [e for e in self.engines.split(",") if e]
+
+    @property
+    def batch_size_list(self) -> list[int]:
+        return [int(b) for b in self.batch_sizes.split(",") if b]
+
+    @property
+    def prompt_len_range(self) -> tuple[int, int]:
+        low, _, high = self.prompt_len.partition(",")
+        return int(low), int(high or low)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--target", default="", help="HF checkpoint directory (with tokenizer)")
+    where.add_argument(
+        "--preset", default="", help="random-weight target preset, e.g. qwen3.6-27b, tiny-hybrid"
+    )
+    parser.add_argument("--num-layers", type=int, default=0, help="preset: build only the first N layers")
+    parser.add_argument("--prompts", default="", help="JSONL prompt file (default: built-in chat prompts)")
+    parser.add_argument("--num-prompts", type=int, default=512)
+    parser.add_argument("--prompt-len", default="32,256", help="preset: random prompt lengths MIN,MAX")
+    parser.add_argument("--max-new-tokens", type=int, default=512)
+    parser.add_argument("--batch-sizes", default="64,256", help="comma list of slot counts")
+    parser.add_argument(
+        "--engines", default="padded,slots,slots-eager", help=f"comma list of {', '.join(ENGINES)}"
+    )
+    parser.add_argument("--num-stop-ids", type=int, default=0, help="preset: random stop ids (0: none)")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--check-every", type=int, default=4, help="slot engine: steps between host syncs")
+    parser.add_argument("--kv-bucket", type=int, default=0, help="slot engine: attended-length granularity")
+    parser.add_argument("--profile", action="store_true", help="profile the slot engine's decode step")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--out", default="", help="JSON rewritten after every step ($OUT or . by default)")
+
+
+def build(options: GenerationBenchOptions, device: torch.device, dtype: torch.dtype):
+    """(model, prompts as token ids, stop ids); GatedDeltaNet presets on fla's kernels on a GPU."""
+    from dflash_train.models.target_kernels import bind_fla_causal_conv, check_fast_kernels
     from dflash_train.models.target_loading import load_causal_lm
 
+    if options.target:
+        from dflash_train.eval.prompts import benchmark_prompts, load_prompts
+        from dflash_train.eval.runner import default_eos_ids
+
+        model, tokenizer = load_causal_lm(options.target, dtype=dtype, device=device)
+        if options.prompts:
+            prompts = load_prompts(options.prompts, tokenizer, num_prompts=options.num_prompts)
+        else:
+            prompts = benchmark_prompts(tokenizer, options.num_prompts)
+        return model.eval(), prompts, set(default_eos_ids(model, tokenizer))
+    model, _ = load_causal_lm(
+        f"preset:{options.preset}", dtype=dtype, device=device, num_hidden_layers=options.num_layers or None
+    )
+    bind_fla_causal_conv(model, device)
+    check_fast_kernels(model, device, False)
     rng = random.Random(0)
-    if args.preset:
-        model, _ = load_causal_lm(
-            f"preset:{args.preset}", dtype=dtype, device=device, num_hidden_layers=args.num_layers
-        )
-        vocab = model.config.get_text_config(decoder=True).vocab_size
-        low, high = args.prompt_len
-        prompts = [
-            [rng.randrange(vocab) for _ in range(rng.randint(low, high))] for _ in range(args.num_prompts)
-        ]
-        stops = {rng.randrange(vocab) for _ in range(args.num_stop_ids)}
-        return model.eval(), prompts, stops
-    from dflash_train.eval.prompts import benchmark_prompts, load_prompts
-    from dflash_train.eval.runner import default_eos_ids
-
-    model, tokenizer = load_causal_lm(args.target, dtype=dtype, device=device)
-    if args.prompts:
-        prompts = load_prompts(args.prompts, tokenizer, num_prompts=args.num_prompts)
-    else:
-        prompts = benchmark_prompts(tokenizer, args.num_prompts)
-    return model.eval(), prompts, set(default_eos_ids(model, tokenizer))
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    low, high = options.prompt_len_range
+    prompts = [
+        [rng.randrange(vocab) for _ in range(rng.randint(low, high))] for _ in range(options.num_prompts)
+    ]
+    stops = {rng.randrange(vocab) for _ in range(options.num_stop_ids)}
+    return model.eval(), prompts, stops
 
 
-def make_engine(name: str, model, batch_size: int, args):
+def make_engine(name: str, model, batch_size: int, options: GenerationBenchOptions):
     if name == "padded":
         return PaddedEngine(model, num_slots=batch_size)
-    if name in ("slots", "slots-grouped", "slots-eager"):
-        graphs = None if name != "slots-eager" else False
-        return SlotEngine(
-            model, num_slots=batch_size, use_cuda_graphs=graphs, check_every=args.check_every,
-            kv_bucket=args.kv_bucket, decode_attention="grouped" if name == "slots-grouped" else None,
-        )  # fmt: skip
-    raise ValueError(f"engine {name!r}: use padded, slots, slots-grouped or slots-eager")
-
-
-def with_timeout(seconds: float, fn):
-    """``fn()``, or StepTimeout after ``seconds`` (SIGALRM: the Python loop is interrupted between kernels)."""
-
-    def expire(signum, frame):
-        raise StepTimeout(f"over {seconds:.0f} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        return fn()
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    attention = {"slots-flex": "flex", "slots-grouped": "grouped"}.get(name)
+    return SlotEngine(
+        model, num_slots=batch_size, use_cuda_graphs=False if name == "slots-eager" else None,
+        check_every=options.check_every, kv_bucket=options.kv_bucket or None, decode_attention=attention,
+    )  # fmt: skip
 
 
 def synchronize(device: torch.device) -> None:
@@ -138,38 +180,39 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_engine(name, model, prompts, stops, batch_size, args, device) -> tuple[dict, list | None]:
+def run_engine(
+    name, model, prompts, stops, batch_size, options, device, progress
+) -> tuple[dict, list | None]:
     """Warm-up, then the timed run; (record, outputs with the stop token appended)."""
-    engine = make_engine(name, model, batch_size, args)
-    sampling = Sampling(temperature=args.temperature, seed=0)
+    engine = make_engine(name, model, batch_size, options)
+    sampling = Sampling(temperature=options.temperature, seed=0)
     keys = list(range(len(prompts)))
 
     def generate(rows):
         return engine.generate(
-            [prompts[i] for i in rows], [keys[i] for i in rows], max_new_tokens=args.max_new_tokens,
+            [prompts[i] for i in rows], [keys[i] for i in rows], max_new_tokens=options.max_new_tokens,
             stop_ids=stops, pad_id=0, sampling=sampling,
         )  # fmt: skip
 
     record: dict = {"engine": name, "batch_size": batch_size}
-    try:
-        warm = list(range(min(batch_size, len(prompts))))
+    with progress.step(f"{name} x{batch_size} warm-up"):
         started = time.perf_counter()
-        with_timeout(args.timeout_s, lambda: (generate(warm), synchronize(device)))
+        generate(range(min(batch_size, len(prompts))))
+        synchronize(device)
         record["warmup_s"] = round(time.perf_counter() - started, 2)
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        steps_before = getattr(engine, "num_steps", 0)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    steps_before = getattr(engine, "num_steps", 0)
+    with progress.step(f"{name} x{batch_size}"):
         started = time.perf_counter()
-        generations = with_timeout(args.timeout_s, lambda: generate(range(len(prompts))))
+        generations = generate(range(len(prompts)))
         synchronize(device)
         elapsed = time.perf_counter() - started
-        if hasattr(engine, "num_steps"):
-            record["decode_steps"] = engine.num_steps - steps_before
-    except StepTimeout as err:
-        return record | {"status": f"timeout ({err})"}, None
-    except Exception as err:  # a benchmark records a failing engine and goes on with the next
-        traceback.print_exc()
-        return record | {"status": f"error: {type(err).__name__}: {err}"}, None
+    if hasattr(engine, "num_steps"):
+        record |= {
+            "decode_steps": engine.num_steps - steps_before,
+            "decode_attention": engine.decode_attention,
+        }
     tokens = sum(len(g.token_ids) + g.finished for g in generations)
     record |= {
         "status": "ok",
@@ -186,118 +229,142 @@ def run_engine(name, model, prompts, stops, batch_size, args, device) -> tuple[d
     return record, outputs
 
 
-def agreement(model, prompts, reference, outputs, args) -> dict:
+def agreement(model, prompts, reference, outputs, temperature: float) -> dict:
     """Rows identical to the reference, and the tie-aware verdict over the differing ones."""
+    from dflash_train.eval.verdict import describe_divergence, verdict
+
     differing = [i for i, (a, b) in enumerate(zip(reference, outputs)) if a != b]
-    divergences = with_timeout(
-        args.timeout_s,
-        lambda: [describe_divergence(model, prompts[i], reference[i], outputs[i], i) for i in differing],
-    )
-    result = verdict(divergences, len(prompts), args.temperature)
-    ties = sum(d["is_tie"] for d in divergences)
+    divergences = [describe_divergence(model, prompts[i], reference[i], outputs[i], i) for i in differing]
+    result = verdict(divergences, len(prompts), temperature)
     return {
         "rows_identical": len(prompts) - len(differing),
         "rows_differing": len(differing),
-        "divergences_at_ties": ties,
+        "divergences_at_ties": sum(d["is_tie"] for d in divergences),
         **result,
         "first_divergences": divergences[:5],
     }
 
 
-def main() -> None:
-    args = parse_args()
-    device = torch.device(
-        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    )
-    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(
-        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32
-    )
-    out = Path(args.out or Path(os.environ.get("OUT", ".")) / "generation_bench.json")
-    result: dict = {
-        "args": vars(args),
-        "device": str(device),
-        "dtype": str(dtype),
+def guarded(record: dict, step) -> tuple[dict, Any]:
+    """``step()`` -> (record, value), or the record with the error it raised and None: one engine
+    failing (its time limit, a capture error) must not hide the others' numbers, so this is a
+    deliberate recovery boundary."""
+    try:
+        return step()
+    except Exception as err:  # recorded in the result, its traceback on stderr
+        traceback.print_exc()
+        return record | {"status": f"error: {type(err).__name__}: {err}"}, None
+
+
+def run_generation_bench(options: GenerationBenchOptions) -> dict[str, Any]:
+    from dflash_train.eval.command import resolve_device, resolve_eval_dtype
+
+    device = resolve_device(options.device)
+    dtype = resolve_eval_dtype(options.dtype, device)
+    out = Path(options.out or Path(os.environ.get("OUT", ".")) / "generation_bench.json")
+    model, prompts, stops = build(options, device, dtype)
+    result: dict[str, Any] = {
+        "workload": options.target or f"preset:{options.preset}",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "num_prompts": len(prompts),
+        "prompt_tokens_mean": round(sum(map(len, prompts)) / len(prompts), 1),
+        "max_new_tokens": options.max_new_tokens,
+        "stop_ids": sorted(stops),
         "runs": [],
         "agreement": [],
+        "profiles": [],
     }
-    if device.type == "cuda":
-        result["gpu"] = torch.cuda.get_device_name(device)
 
     def save() -> None:
         out.write_text(json.dumps(result, indent=2) + "\n")
 
-    model, prompts, stops = build(args, device, dtype)
-    result["num_prompts"], result["stop_ids"] = len(prompts), sorted(stops)
-    result["prompt_tokens_mean"] = round(sum(map(len, prompts)) / len(prompts), 1)
-    save()
-    for batch_size in args.batch_sizes:
-        if args.profile:
-            try:
-                record = with_timeout(
-                    args.timeout_s,
-                    lambda size=batch_size: profile_decode(model, prompts, stops, size, args, out.parent),
+    sizes, engines = options.batch_size_list, options.engine_list
+    num_steps = len(sizes) * (2 * len(engines) + len(engines) - 1 + options.profile)
+    with StepProgress("generation", num_steps, options) as progress:
+        for batch_size in sizes:
+            if options.profile:
+                result["profiles"].append(
+                    profile_step(model, prompts, stops, batch_size, options, out, progress)
                 )
-            except StepTimeout as err:
-                record = {"status": f"timeout ({err})"}
-            except Exception as err:  # a benchmark records a failing step and goes on
-                traceback.print_exc()
-                record = {"status": f"error: {type(err).__name__}: {err}"}
-            result.setdefault("profiles", []).append(record | {"batch_size": batch_size})
-            print(json.dumps(record), flush=True)
-            save()
-        reference = None
-        for name in args.engines:
-            record, outputs = run_engine(name, model, prompts, stops, batch_size, args, device)
-            gc.collect()  # the engine's cache and graphs go before the next engine allocates
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            print(json.dumps(record), flush=True)
-            result["runs"].append(record)
-            save()
-            if outputs is None:
-                continue
-            if reference is None:
-                reference = (name, outputs)
-                continue
-            try:
-                agree = agreement(model, prompts, reference[1], outputs, args)
-            except StepTimeout as err:
-                agree = {"status": f"timeout ({err})"}
-            agree |= {"batch_size": batch_size, "reference": reference[0], "engine": name}
-            print(json.dumps({k: v for k, v in agree.items() if k != "first_divergences"}), flush=True)
-            result["agreement"].append(agree)
-            save()
+                save()
+            reference = None
+            for name in engines:
+                record, outputs = guarded(
+                    {"engine": name, "batch_size": batch_size},
+                    lambda name=name, size=batch_size: run_engine(
+                        name, model, prompts, stops, size, options, device, progress
+                    ),
+                )
+                gc.collect()  # the engine's cache and graphs go before the next engine allocates
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                result["runs"].append(record)
+                save()
+                if outputs is None:
+                    continue
+                if reference is None:
+                    reference = (name, outputs)
+                    continue
+                base = {"batch_size": batch_size, "reference": reference[0], "engine": name}
+
+                def compare(outputs=outputs, base=base, reference=reference):
+                    with progress.step(f"verdict {base['engine']} x{base['batch_size']}"):
+                        return base | agreement(
+                            model, prompts, reference[1], outputs, options.temperature
+                        ), None
+
+                result["agreement"].append(guarded(base, compare)[0])
+                save()
     print_table(result)
-    print(json.dumps({"out": str(out)}), flush=True)
+    return result | {"out": str(out)}
+
+
+def profile_step(model, prompts, stops, batch_size, options, out: Path, progress) -> dict:
+    def step():
+        with progress.step(f"profile x{batch_size}"):
+            return profile_decode(model, prompts, stops, batch_size, options, out.parent), None
+
+    record, _ = guarded({}, step)
+    return record | {"batch_size": batch_size}
 
 
 def print_table(result: dict) -> None:
-    print(
-        f"\n{'batch':>6} {'engine':<12} {'status':<8} {'rows/s':>9} {'gen tok/s':>11} {'peak GiB':>9} {'hit limit':>9}"
-    )
+    """The runs, the decode profiles and the agreement, for a reader (stderr)."""
+    lines = [
+        f"{'batch':>6} {'engine':<14} {'status':<8} {'rows/s':>9} {'gen tok/s':>11} {'peak GiB':>9} {'hit limit':>9}"
+    ]
     for r in result["runs"]:
-        ok = r["status"] == "ok"
-        print(
-            f"{r['batch_size']:>6} {r['engine']:<12} {r['status'][:8]:<8} "
-            f"{r.get('rows_per_s', '-') if ok else '-':>9} {r.get('generated_tokens_per_s', '-') if ok else '-':>11} "
-            f"{str(r.get('peak_memory_gib')) if ok else '-':>9} {r.get('rows_hit_limit', '-') if ok else '-':>9}"
+        ok = r.get("status") == "ok"
+        cells = [
+            r.get(k, "-") if ok else "-"
+            for k in ("rows_per_s", "generated_tokens_per_s", "peak_memory_gib", "rows_hit_limit")
+        ]
+        lines.append(
+            f"{r['batch_size']:>6} {r['engine']:<14} {str(r.get('status'))[:8]:<8} "
+            f"{cells[0]!s:>9} {cells[1]!s:>11} {cells[2]!s:>9} {cells[3]!s:>9}"
         )
-    for r in result.get("profiles", []):
+    for r in result["profiles"]:
         if "step_ms" in r:
-            print(
-                f"decode step at {r['batch_size']} slots: {r['step_ms']:.2f} ms graphed, floor {r['floor_ms']:.2f} ms "
-                f"(x{r['step_over_floor']:.1f}); eager: {r['copy_share']:.1%} of GPU time in copies"
+            lines.append(
+                f"decode step at {r['batch_size']} slots ({r['decode_attention']}): {r['step_ms']:.2f} ms, floor "
+                f"{r['floor_ms']:.2f} ms (x{r['step_over_floor']:.1f}); eager: {r['copy_share']:.1%} in copies"
             )
     for a in result["agreement"]:
         if "rows_identical" not in a:
-            print(f"agreement batch {a['batch_size']} {a['engine']} vs {a['reference']}: {a.get('status')}")
+            lines.append(
+                f"agreement batch {a['batch_size']} {a['engine']} vs {a['reference']}: {a.get('status')}"
+            )
             continue
-        print(
+        lines.append(
             f"agreement batch {a['batch_size']} {a['engine']} vs {a['reference']}: {a['rows_identical']} rows "
             f"identical, {a['rows_differing']} differ ({a['divergences_at_ties']} at ties, "
             f"{a['num_clear_divergences']} clear: {'BUG' if a['num_clear_divergences'] else 'ok'})"
         )
+    print("\n".join(lines), file=sys.stderr, flush=True)
 
 
-if __name__ == "__main__":
-    main()
+# The mode's entry points (bench/modes.py).
+Options = GenerationBenchOptions
+run = run_generation_bench

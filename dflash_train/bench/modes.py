@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 from types import ModuleType
 
-from dflash_train.bench import checkpoint, decode, eval_speed, lengths, train_step
+from dflash_train.bench import checkpoint, decode, eval_speed, generation, lengths, train_step
 from dflash_train.bench.progress import StepLimits
 
 MODES: dict[str, ModuleType] = {
@@ -30,6 +30,7 @@ MODES: dict[str, ModuleType] = {
     "eval": eval_speed,
     "checkpoint": checkpoint,
     "decode": decode,
+    "generation": generation,
 }
 DEFAULT_MODE = "train"
 

@@ -195,11 +195,17 @@ def load_generator(path: str, device: str):
 
     The project's target loader refuses a checkpoint with missing weights (which transformers would
     silently random-initialise) and loads multimodal Qwen3.5/3.6 checkpoints as text models.
+    GatedDeltaNet targets get the training loader's kernel binding and check (``models.target_kernels``).
     """
+    from dflash_train.models.target_kernels import bind_fla_causal_conv, check_fast_kernels
     from dflash_train.models.target_loading import load_causal_lm
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     model, tokenizer = load_causal_lm(path, dtype=dtype, device=device)
+    # GatedDeltaNet targets on CUDA: fla's conv kernel where causal-conv1d is absent, and a loud
+    # warning (not a silent slow run) where the fla kernels are missing.
+    bind_fla_causal_conv(model, device)
+    check_fast_kernels(model, device, allow_slow=True)
     if tokenizer is None:
         raise ValueError(
             f"--target {path} has no tokenizer; generation needs the target's tokenizer and chat template"

@@ -1,0 +1,38 @@
+"""``dflash-train bench generation`` on CPU: engines side by side, the agreement verdict and the
+decode-step profile, in one JSON object (the GPU figures come from the same mode on one H200)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash_train.cli import main
+
+pytestmark = pytest.mark.usefixtures("one_thread_module")
+
+
+def test_the_generation_mode_reports_engines_agreement_and_the_decode_profile(tmp_path, capsys):
+    out = tmp_path / "generation.json"
+    code = main([
+        "bench", "generation", "--preset", "tiny-qwen3", "--device", "cpu", "--num-prompts", "3",
+        "--batch-sizes", "2", "--max-new-tokens", "64", "--engines", "padded,slots,slots-flex",
+        "--profile", "--out", str(out), "--no-progress", "--json",
+    ])  # fmt: skip
+    assert code == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result == json.loads(out.read_text()) | {"out": str(out)}
+    assert [(r["engine"], r["status"]) for r in result["runs"]] == [
+        ("padded", "ok"), ("slots", "ok"), ("slots-flex", "ok"),
+    ]  # fmt: skip
+    assert [r["decode_attention"] for r in result["runs"][1:]] == ["grouped", "flex"]
+    assert all(a["rows_identical"] == 3 and a["num_clear_divergences"] == 0 for a in result["agreement"])
+    profile = result["profiles"][0]
+    assert profile["status"] == "ok" and profile["step_ms"] > 0 and profile["step_over_floor"] > 1
+    assert profile["traffic_bytes_per_step"]["kv"] > 0 and 0 <= profile["copy_share"] < 1
+
+
+def test_bad_engine_lists_are_refused_with_the_choices(capsys):
+    code = main(["bench", "generation", "--preset", "tiny-qwen3", "--engines", "slots,paged"])
+    assert code != 0
+    assert "a comma list of padded, slots, slots-flex" in capsys.readouterr().err
