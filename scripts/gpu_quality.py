@@ -313,46 +313,64 @@ def eval_command(args, export: Path, prompts: list[str], num: int, out_dir: Path
 
 
 def eval_all(args: argparse.Namespace, names: list[str], files: dict) -> dict[str, dict]:
-    """Held-out and training-prompt evals of every finished run, one at a time while the budget allows;
-    results are kept in the work folder, so a run's eval at its last step is never repeated."""
+    """Held-out and training-prompt evals of every finished run, side by side, if ``--eval-seconds``
+    fit in the budget; a failure is retried once on the padded generation engine. Results are kept in
+    the work folder, so a run's eval at its last step is never repeated."""
     store = args.work / "evals.json"
     reports = json.loads(store.read_text()) if store.exists() else {}
     heldout = [str(p) for k, p in files.items() if k not in ("train_rows", "train_prompts")]
+    todo = {}
     for name in names:
         step = run_status(args, name)["step"]
-        export = None
-        for label, prompts, num in (
-            ("heldout", heldout, args.eval_prompts),
-            ("train", [str(files["train_prompts"])], 0),
-        ):
-            key = f"{name}:{label}"
-            if reports.get(key, {}).get("step") == step and "error" not in reports[key]:
-                continue
-            if remaining(args) < args.eval_seconds + 10:
-                print(f"eval {key}: {remaining(args):.0f} s left, deferred to the next call", flush=True)
-                continue
-            export = export or export_dir(args, name)
-            if export is None:
-                continue
-            reports[key] = {"step": step, **run_eval(args, key, export, prompts, num)}
-            store.write_text(json.dumps(reports, indent=1))
+        due = [
+            (label, prompts, num)
+            for label, prompts, num in (
+                ("heldout", heldout, args.eval_prompts),
+                ("train", [str(files["train_prompts"])], 0),
+            )
+            if reports.get(f"{name}:{label}", {}).get("step") != step or "error" in reports[f"{name}:{label}"]
+        ]
+        export = export_dir(args, name) if due else None
+        todo.update(
+            {f"{name}:{label}": (step, export, prompts, num) for label, prompts, num in due if export}
+        )
+    for engine in ("auto", "padded"):
+        if not todo:
+            break
+        if remaining(args) < args.eval_seconds + 10:
+            print(
+                f"evals {sorted(todo)}: {remaining(args):.0f} s left, deferred to the next call", flush=True
+            )
+            break
+        done = run_evals(args, todo, engine)
+        reports.update(done)
+        store.write_text(json.dumps(reports, indent=1))
+        todo = {key: value for key, value in todo.items() if "error" in done[key]}
     return reports
 
 
-def run_eval(args, key: str, export: Path, prompts: list[str], num: int) -> dict:
-    """One eval; a failure on the slot engine is retried once on the padded one."""
-    out_dir = args.work / f"eval-{key.replace(':', '-')}"
-    log = logs_dir(args) / f"eval-{key.replace(':', '-')}.log"
-    log.write_text("")
-    for engine in ("auto", "padded"):
-        timeout = min(args.eval_seconds, remaining(args) - 5)
-        run_cli(eval_command(args, export, prompts, num, out_dir, engine), log, timeout=timeout)
+def run_evals(args, todo: dict, engine: str) -> dict[str, dict]:
+    """Every eval of ``todo`` at once, each killed at ``--eval-seconds``; the report of each."""
+    procs = {}
+    for key, (_, export, prompts, num) in todo.items():
+        slug = key.replace(":", "-")
+        command = eval_command(args, export, prompts, num, args.work / f"eval-{slug}", engine)
+        handle = open(logs_dir(args) / f"eval-{slug}.log", "a")
+        handle.write(f"\n[{engine} generation engine]\n")
+        handle.flush()
+        proc = subprocess.Popen(
+            cli(*command), stdout=handle, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True
+        )
+        procs[key] = (proc, handle)
+    wait_all(procs, deadline=time.monotonic() + min(args.eval_seconds, remaining(args) - 5), grace=5)
+    reports = {}
+    for key, (step, _, _, _) in todo.items():
+        lines = (logs_dir(args) / f"eval-{key.replace(':', '-')}.log").read_text().strip().splitlines()
         try:
-            return json.loads(log.read_text().strip().splitlines()[-1])
+            reports[key] = {"step": step, **json.loads(lines[-1])}
         except (ValueError, IndexError):
-            if remaining(args) < args.eval_seconds + 10:
-                break
-    return {"error": log.read_text()[-600:]}
+            reports[key] = {"step": step, "error": "\n".join(lines[-8:])[-600:]}
+    return reports
 
 
 # ----------------------------------------------------------------------------- results
