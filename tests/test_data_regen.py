@@ -318,3 +318,60 @@ def test_vllm_engine_stops_at_the_templates_end_of_turn(tmp_path, monkeypatch):
     assert set(fake.params[0].kwargs["stop_token_ids"]) == {eos, end_of_turn}
     (row,) = read_jsonl(output)
     assert row["messages"][-1]["content"] == "hello" and row["regen"]["finished"] == [True]
+
+
+def stored_ids_count(message: dict) -> int:
+    """Token ids an assistant message stores (generated and prompt, in whichever form)."""
+    keys = ("token_ids", "prompt_token_ids", "prompt_token_ids_tail")
+    return sum(len(message.get(key, [])) for key in keys)
+
+
+def test_a_20_turn_regenerated_row_stores_each_prompt_once_and_trains_as_full_prompts(
+    tiny_hybrid_dir, tmp_path
+):
+    """Each reply of a long conversation stores only what its prompt adds to the previous reply's
+    prompt and ids: O(turns x tokens), not the whole prefix per reply. It trains exactly as the same
+    row with every reply's full prompt_token_ids (the files regen wrote before) does."""
+    from transformers import AutoTokenizer
+
+    from dflash_train.config import DataConfig
+    from dflash_train.data.cache import load_or_build
+
+    turns = 20
+    messages = []
+    for t in range(turns):
+        messages += [{"role": "user", "content": f"question {t}"}, {"role": "assistant", "content": "old"}]
+    data = tmp_path / "turns.jsonl"
+    data.write_text(json.dumps({"messages": messages}) + "\n")
+    output = tmp_path / "regen.jsonl"
+    assert run_regen(regen_args(tiny_hybrid_dir, data, output))["rows_done"] == 1
+    (row,) = read_jsonl(output)
+    replies = [m for m in row["messages"] if m["role"] == "assistant"]
+    assert len(replies) == turns and all("token_ids" in m for m in replies)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_hybrid_dir)
+    full_prompts = []
+    for i, message in enumerate(row["messages"]):
+        if message["role"] == "assistant":
+            history = [{"role": m["role"], "content": m["content"]} for m in row["messages"][:i]]
+            prompt = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+            full_prompts.append(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    whole = len(full_prompts[-1]) + len(replies[-1]["token_ids"])
+    assert sum(map(stored_ids_count, replies)) <= 2 * whole  # a whole prefix per reply: about turns / 2 x
+    # The files regen wrote before: every reply with its whole prompt.
+    old = json.loads(json.dumps(row))
+    old_replies = [m for m in old["messages"] if m["role"] == "assistant"]
+    for message, prompt in zip(old_replies, full_prompts):
+        message.pop("prompt_token_ids_from_previous", None)
+        message.pop("prompt_token_ids_tail", None)
+        message["prompt_token_ids"] = prompt
+    old_file = tmp_path / "old.jsonl"
+    old_file.write_text(json.dumps(old) + "\n")
+    built = [
+        load_or_build(
+            DataConfig(paths=[str(path)], cache_dir=str(tmp_path / "cache"), num_workers=1), tokenizer
+        )
+        for path in (output, old_file)
+    ]
+    for tokenized in built:  # trained from the stored ids, every reply of them
+        assert tokenized.num_rows == 1 and tokenized.id_sources[0] > 0 and tokenized.id_fallbacks == {}
+    assert [a.tolist() for a in built[0].row(0)] == [a.tolist() for a in built[1].row(0)]

@@ -348,6 +348,78 @@ def test_token_ids_must_come_in_pairs_and_only_on_assistant_messages(tmp_path, t
     assert data.skips.to_dict() == {"malformed_token_ids": 1}
 
 
+# ----------------------------------------------------------------------------- prompts stored once
+
+
+def with_shared_prompts(messages):
+    """The row as regen writes it now: every reply after one with ids stores what its prompt adds."""
+    from dflash_train.data.stored_prompts import prompt_fields
+
+    out = []
+    for m in messages:
+        if "prompt_token_ids" in m and any(p["role"] == "assistant" for p in out):
+            m = {k: v for k, v in m.items() if k != "prompt_token_ids"} | prompt_fields(
+                m["prompt_token_ids"], out
+            )
+        out.append(m)
+    return out
+
+
+def test_a_prompt_stored_as_what_it_adds_to_the_previous_reply_trains_as_the_full_prompt(tmp_path, tokenizer):
+    messages, split, _ = two_generated_turns(tokenizer)
+    shared = with_shared_prompts(messages)
+    second = shared[-1]
+    assert "prompt_token_ids" not in second and second["prompt_token_ids_from_previous"] > 0
+    # It shares the first reply's whole prompt; its tail starts where the first reply's re-tokenized
+    # text leaves the split the target generated.
+    full_second, first_prompt = messages[-1]["prompt_token_ids"], messages[2]["prompt_token_ids"]
+    shared_ids = second["prompt_token_ids_from_previous"]
+    assert len(first_prompt) <= shared_ids < len(first_prompt) + len(split)
+    assert second["prompt_token_ids_tail"] == full_second[shared_ids:]
+    _, data = build_rows(tmp_path, tokenizer, [{"messages": messages}, {"messages": shared}])
+    assert data.row(0)[0].tolist() == data.row(1)[0].tolist()
+    assert data.row(0)[1].tolist() == data.row(1)[1].tolist()
+    assert data.id_sources.tolist() == [1, 1] and data.id_fallbacks == {}
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            lambda m: (
+                m[:2] + [m[2] | {"prompt_token_ids_from_previous": 0, "prompt_token_ids_tail": [1]}] + m[3:]
+            ),
+            "message 2 has prompt_token_ids and prompt_token_ids_from_previous; store the prompt one way",
+        ),
+        (
+            lambda m: m[:-1] + [{k: v for k, v in m[-1].items() if k != "prompt_token_ids_tail"}],
+            "message 4 has prompt_token_ids_from_previous without prompt_token_ids_tail; store both",
+        ),
+        (
+            lambda m: m[:-1] + [m[-1] | {"prompt_token_ids_from_previous": True}],
+            "message 4 prompt_token_ids_from_previous = True is not an integer >= 0",
+        ),
+        (
+            lambda m: m[:-1] + [m[-1] | {"prompt_token_ids_from_previous": 10**6}],
+            "message 4 prompt_token_ids_from_previous = 1000000 exceeds the",
+        ),
+        (
+            lambda m: m[:2] + [{"role": "assistant", "content": m[2]["content"]}] + m[3:],
+            "message 4 has prompt_token_ids_from_previous but the assistant message before it stores no",
+        ),
+        (
+            lambda m: m[:-1] + [m[-1] | {"prompt_token_ids_tail": [1, "x"]}],
+            r"message 4 prompt_token_ids_tail\[1\] = 'x' is not a token id",
+        ),
+    ],
+)
+def test_malformed_shared_prompts_are_bad_rows(tmp_path, tokenizer, change, message):
+    messages, _, _ = two_generated_turns(tokenizer)
+    bad = change(with_shared_prompts(messages))
+    with pytest.raises(ValueError, match=rf"chat.jsonl:1: bad row \(malformed_token_ids\): {message}"):
+        build_rows(tmp_path, tokenizer, [{"messages": bad}])
+
+
 # ----------------------------------------------------------------------------- replies cut at the limit
 
 

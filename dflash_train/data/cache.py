@@ -46,7 +46,9 @@ from dflash_train.data.tokenize import check_tokenizer
 # tokenized such rows from their text.
 # 3: a reply cut at the generation limit (regen.finished false) has no end-of-turn label
 # (cut_replies.npy); a cache of version 2 labelled it.
-CACHE_VERSION = 3
+# 4: a reply may store its prompt as what it adds to the previous reply's (data.stored_prompts); a
+# cache of version 3 counted such rows as malformed_token_ids.
+CACHE_VERSION = 4
 # id_sources.npy codes: replies tokenized from text; from stored ids; from stored ids in a row whose
 # regen.round_trip says the text would have tokenized to other ids.
 ID_FROM_TEXT, ID_STORED, ID_STORED_NOT_ROUND_TRIP = 0, 1, 2

@@ -3,7 +3,8 @@
 Rows come in two forms, detected per row (``data.format=auto``) or forced:
 - ``messages``: ``{"messages": [{"role": "user", "content": "..."}, ...]}`` with roles
   system/user/assistant/tool; an assistant message may store the ids the target generated for it
-  (``token_ids``, with the ``prompt_token_ids`` it was given; written by ``regen``);
+  (``token_ids``, with the ``prompt_token_ids`` it was given, in full or as what they add to the
+  previous reply's, ``data.stored_prompts``; written by ``regen``);
 - ShareGPT ``conversations``: ``{"conversations": [{"from": "human", "value": "..."}, ...]}`` with
   human/gpt/system (mapped to user/assistant/system).
 
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_train.data.skips import BadRowError, SkipCounts
+from dflash_train.data.stored_prompts import FROM_PREVIOUS, SHARED_PROMPT_KEYS, TAIL, check_prompt_chain
 
 ROLES = ("system", "user", "assistant", "tool")
 SHAREGPT_ROLES = {
@@ -38,8 +40,11 @@ SHAREGPT_ROLES = {
 JSONL_SUFFIXES = (".jsonl", ".json")
 DATASET_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json"}
 DIRECTORY_SUFFIXES = (".jsonl", ".json", ".parquet")
-# Stored token ids of an assistant message: what the target generated and the prompt it was given.
-TOKEN_ID_KEYS = ("token_ids", "prompt_token_ids")
+# Stored token ids of an assistant message (lists of ids): what the target generated and the prompt
+# it was given, in full or as the tail after what it shares with the previous reply's.
+TOKEN_ID_KEYS = ("token_ids", "prompt_token_ids", TAIL)
+# Every stored-ids key: the id lists and the count of shared prompt ids.
+STORED_ID_KEYS = (*TOKEN_ID_KEYS, FROM_PREVIOUS)
 
 
 @dataclass
@@ -239,7 +244,9 @@ def normalize_messages(raw: dict[str, Any], fmt: str = "auto") -> list[dict[str,
     if not turns:
         raise BadRowError("empty_messages", f"'{key}' is empty")
     convert = to_message if key == "messages" else from_sharegpt
-    return [convert(turn, i) for i, turn in enumerate(turns)]
+    messages = [convert(turn, i) for i, turn in enumerate(turns)]
+    check_prompt_chain(messages)
+    return messages
 
 
 def to_message(turn: Any, index: int) -> dict[str, Any]:
@@ -259,10 +266,12 @@ def check_token_id_fields(message: dict[str, Any], index: int) -> None:
     """The stored-ids fields of a message (docs/data.md, "Stored token ids"); raises ``BadRowError``.
 
     An assistant message may carry ``token_ids`` (the ids the target generated for this reply) with
-    ``prompt_token_ids`` (the ids it was given); both or neither, lists of non-negative integers.
-    Whether they are inside the vocabulary is checked where the tokenizer is known (``data.stored_ids``).
+    the ids it was given: ``prompt_token_ids``, or ``prompt_token_ids_from_previous`` (a count) with
+    ``prompt_token_ids_tail`` (``data.stored_prompts``, which checks them against the row); the ids and
+    their prompt or neither, lists of non-negative integers. Whether they are inside the vocabulary
+    is checked where the tokenizer is known (``data.stored_ids``).
     """
-    present = [key for key in TOKEN_ID_KEYS if key in message]
+    present = [key for key in STORED_ID_KEYS if key in message]
     if not present:
         return
     if message["role"] != "assistant":
@@ -270,13 +279,28 @@ def check_token_id_fields(message: dict[str, Any], index: int) -> None:
             "malformed_token_ids",
             f"message {index} ({message['role']}) has {present[0]}; only assistant messages store ids",
         )
-    if len(present) == 1:
-        missing = next(key for key in TOKEN_ID_KEYS if key not in present)
+    shared = [key for key in SHARED_PROMPT_KEYS if key in message]
+    if "token_ids" not in message or (not shared and "prompt_token_ids" not in message):
+        have, missing = present[0], "token_ids" if "token_ids" not in message else "prompt_token_ids"
+        raise BadRowError(
+            "malformed_token_ids", f"message {index} has {have} without {missing}; store both or neither"
+        )
+    if shared and "prompt_token_ids" in message:
         raise BadRowError(
             "malformed_token_ids",
-            f"message {index} has {present[0]} without {missing}; store both or neither",
+            f"message {index} has prompt_token_ids and {shared[0]}; store the prompt one way, not both",
         )
-    for key in TOKEN_ID_KEYS:
+    if len(shared) == 1:
+        missing = next(key for key in SHARED_PROMPT_KEYS if key not in shared)
+        raise BadRowError(
+            "malformed_token_ids", f"message {index} has {shared[0]} without {missing}; store both"
+        )
+    count = message.get(FROM_PREVIOUS, 0)
+    if type(count) is not int or count < 0:  # bool is not a count
+        raise BadRowError(
+            "malformed_token_ids", f"message {index} {FROM_PREVIOUS} = {count!r} is not an integer >= 0"
+        )
+    for key in (key for key in TOKEN_ID_KEYS if key in message):
         ids = message[key]
         if not isinstance(ids, list):
             raise BadRowError(

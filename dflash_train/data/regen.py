@@ -10,8 +10,9 @@ and tool turns are kept). A row that ends without a reply (a prompt-only row, a 
 row ending with a user turn) gets one to its last turn.
 Output is JSONL in ``messages`` form; each row carries ``regen.key`` (source file name, line and a
 hash of the source messages), and each generated assistant message the ``token_ids`` the target
-generated with the ``prompt_token_ids`` it was given, which training reads instead of re-tokenizing
-the text (``data.stored_ids``; the endpoint engine returns text only, so its rows store none). The
+generated with the ``prompt_token_ids`` it was given (a later reply: what its prompt adds to the
+previous reply's, ``data.stored_prompts``), which training reads instead of re-tokenizing the text
+(``data.stored_ids``; the endpoint engine returns text only, so its rows store none). The
 output is appended to and flushed per batch, so an interrupted run resumes: rows whose key is already in the output are skipped, and a partially written last line
 is cut off first.
 
@@ -237,7 +238,7 @@ def regenerate(engine, rows: list[ChatRow]) -> list[tuple]:
         keys = [turn_key(rows[i], len(finished[i])) for i in waiting]
         replies = engine.generate([conversations[i] for i in waiting], keys)
         for i, reply in zip(waiting, replies):
-            conversations[i].append(assistant_message(reply))
+            conversations[i].append(assistant_message(reply, conversations[i]))
             finished[i].append(reply.finished)
             if reply.token_ids is not None:
                 round_trip[i].append(

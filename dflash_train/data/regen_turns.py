@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from dflash_train.data.readers import ChatRow
+from dflash_train.data.stored_prompts import prompt_fields
 
 # --thinking values -> the chat template's enable_thinking (None: the template's default).
 THINKING = {"on": True, "off": False, "default": None}
@@ -45,19 +46,21 @@ def regenerate_row(complete, row: ChatRow) -> tuple[ChatRow, list[dict], list[bo
         reply = complete(conversation, turn_key(row, len(finished)))
         if reply.error:
             return row, conversation, finished, f"assistant turn {len(finished)}: {reply.error}"
-        conversation.append(assistant_message(reply))
+        conversation.append(assistant_message(reply, conversation))
         finished.append(reply.finished)
         cursors[0] += 1
     return row, conversation, finished, None
 
 
-def assistant_message(reply: Reply) -> dict:
+def assistant_message(reply: Reply, conversation: list[dict]) -> dict:
+    """The message of ``reply`` to the turns of ``conversation``: its text and, where the engine
+    knows them, its ids and its prompt's (what it adds to the previous reply's, ``data.stored_prompts``)."""
     message = {"role": "assistant", "content": reply.text}
     if reply.reasoning:
         message["reasoning_content"] = reply.reasoning  # a server's reasoning parser split it off
     if reply.token_ids is not None and reply.prompt_token_ids is not None:  # what training reads
         message["token_ids"] = list(reply.token_ids)
-        message["prompt_token_ids"] = list(reply.prompt_token_ids)
+        message.update(prompt_fields(reply.prompt_token_ids, conversation))
     return message
 
 

@@ -38,7 +38,7 @@ REMEDIES = {
     "template_error": "check that the row fits the target's chat template",
     "no_response_tokens": "the assistant turns render to no tokens; remove the row",
     "no_valid_anchor": "a row needs at least 2 consecutive response tokens; remove the row",
-    "malformed_token_ids": "store token_ids and prompt_token_ids as the target's ids (docs/data.md), or remove both",
+    "malformed_token_ids": "store token_ids with their prompt (prompt_token_ids, or prompt_token_ids_from_previous and prompt_token_ids_tail) as regen writes them (docs/data.md), or remove them",
     "malformed_regen_finished": "give regen.finished one true/false per assistant message (docs/data.md), or remove it",
 }
 

@@ -4,7 +4,8 @@ Text cannot carry every id sequence: a target may emit a split its tokenizer nev
 ``\\n`` tokens where the text re-encodes to one ``\\n\\n``), or a reply's first characters may merge
 with the template text before them. Re-tokenizing such a reply teaches the drafter tokens the target
 never emitted. ``regen`` therefore stores, per assistant message, the generated ``token_ids`` and the
-``prompt_token_ids`` the target was given (docs/data.md, "Stored token ids"), and training uses them:
+``prompt_token_ids`` the target was given (docs/data.md, "Stored token ids"; a later reply stores only
+what its prompt adds to the previous reply's, ``data.stored_prompts``), and training uses them:
 
 - the conversation is rendered with the chat template as on the text path (``data.tokenize``);
 - for every assistant message with ids, the rendering before its reply must be exactly its
@@ -29,8 +30,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from dflash_train.data.readers import TOKEN_ID_KEYS
+from dflash_train.data.readers import STORED_ID_KEYS, TOKEN_ID_KEYS
 from dflash_train.data.skips import BadRowError
+from dflash_train.data.stored_prompts import PromptChain
 from dflash_train.data.tokenize import (
     TemplateError,
     assistant_char_spans,
@@ -78,7 +80,7 @@ def has_token_ids(messages: list[dict[str, Any]]) -> bool:
 
 def without_token_ids(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The messages as the chat template sees them (the id lists are not for the template)."""
-    return [{k: v for k, v in m.items() if k not in TOKEN_ID_KEYS} for m in messages]
+    return [{k: v for k, v in m.items() if k not in STORED_ID_KEYS} for m in messages]
 
 
 def tokenize_training_row(
@@ -150,11 +152,13 @@ def tokenize_with_stored_ids(
     ids: list[int] = []
     mask: list[bool] = []
     cursor, num_spliced, first_mismatch = 0, 0, None
+    chain = PromptChain()  # every assistant turn in order: a prompt may continue the previous one
     for i, (start, _) in zip(turns, spans):
-        if "token_ids" not in messages[i]:
+        stored_prompt = chain.prompt_of(messages[i])
+        if stored_prompt is None:
             continue  # an assistant turn without ids stays text, masked by its span below
         try:
-            end = reply_end(tokenizer, messages[i], clean, i, full, start, kwargs)
+            end = reply_end(tokenizer, messages[i], stored_prompt, clean, i, full, start, kwargs)
         except StoredIdsMismatch as mismatch:
             first_mismatch = first_mismatch or mismatch
             continue
@@ -168,11 +172,11 @@ def tokenize_with_stored_ids(
     return ids, mask, first_mismatch
 
 
-def reply_end(tokenizer, message, clean, i: int, full: str, start: int, kwargs) -> int:
-    """Where reply ``i``'s text ends in ``full``, after checking that its stored ids fit there."""
+def reply_end(tokenizer, message, stored: list[int], clean, i: int, full: str, start: int, kwargs) -> int:
+    """Where reply ``i``'s text ends in ``full``, after checking that its stored ids (``stored``: its
+    prompt's, resolved by ``PromptChain``) fit there."""
     prompt = render(tokenizer, clean[:i], kwargs, generation_prompt=True)
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    stored = message["prompt_token_ids"]
     if prompt_ids != stored:
         k = next(
             (j for j, (a, b) in enumerate(zip(stored, prompt_ids)) if a != b),
