@@ -145,11 +145,10 @@ def decode_mode(options: EvalBenchOptions, work: Workload) -> dict[str, Any]:
     reference's share, tau per method."""
     from dflash_train.eval.runner import evaluate
 
-    methods = [m for m in options.method_list if m != "ddtree" or options.ddtree_budget]
     started = time.perf_counter()
     report = evaluate(
         work.model, work.tokenizer, work.drafter, work.prompts, max_new_tokens=options.max_new_tokens,
-        methods=methods, ddtree_budget=options.ddtree_budget, eos_token_ids=work.eos,
+        methods=options.method_list, ddtree_budget=options.ddtree_budget, eos_token_ids=work.eos,
     )  # fmt: skip
     seconds = time.perf_counter() - started
     baseline = report["baseline"]
