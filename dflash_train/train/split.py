@@ -74,6 +74,7 @@ from dflash_train.train.split_stream import (
     pipeline_depth,
     report_step,
     share_data_info,
+    share_save_outcome,
     split_metrics,
 )
 from dflash_train.train.step import (
@@ -462,23 +463,6 @@ def settle_with_targets(run: Run, ctx: DrafterContext) -> None:
     except space.CheckpointWriteError as err:  # raised on every drafter rank together
         error = err
     share_save_outcome(ctx.layout, run.info.device, error)
-
-
-def share_save_outcome(layout: SplitLayout, device: torch.device, error: BaseException | None) -> None:
-    """Every rank, at the same point after a save: one all-ranks vote on whether it failed (``error``:
-    a drafter rank's ``CheckpointWriteError``, None on target ranks). On a failure drafter rank 0's
-    one-line message reaches every rank and every rank raises: the drafters their own error, the target
-    ranks the message, so they stop at once instead of in the next step's vote (at a peer's exit or
-    ``train.dist_timeout_s``)."""
-    if not any_rank_flags([error is not None], device)[0]:
-        return
-    message = [str(error) if error is not None else None]
-    dist.broadcast_object_list(message, src=layout.drafter_main)
-    if error is not None:
-        raise error
-    raise space.CheckpointWriteError(
-        f"{message[0]} (target rank {layout.rank} stopped with the drafter ranks)"
-    )
 
 
 def split_train_state(run: Run, ctx: DrafterContext, reports) -> dict[str, Any]:

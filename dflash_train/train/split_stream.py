@@ -21,7 +21,8 @@ drafter rank, waiting on the oldest send before posting another; it runs at most
 
 Reports. On log and save steps every rank sends drafter rank 0 a report (``gather_object``):
 timings, queue depth, bytes and, from the target ranks, their data positions; ``split_metrics``
-turns them into busy fractions and the bottleneck.
+turns them into busy fractions and the bottleneck. Save outcomes: after every save (and after the
+loop) one all-ranks vote on whether it failed, with drafter rank 0's message (``share_save_outcome``).
 
 Legend: R rows, L sequence, F feature width (n*H), T target ranks, D drafter ranks, M micro-batches
 per optimizer step (``train.grad_accum``).
@@ -40,6 +41,8 @@ import torch.distributed as dist
 
 from dflash_train.config import RunConfig
 from dflash_train.data.batching import Batch
+from dflash_train.train import checkpoint_space as space
+from dflash_train.train.faults import any_rank_flags
 
 HEADER_LEN = 6  # step, micro, rows, seq_len, epoch, feature width
 
@@ -316,6 +319,23 @@ def exchange_reports(layout: SplitLayout, report: dict[str, Any]) -> list[dict[s
     )
     dist.gather_object(report, gathered, dst=layout.drafter_main)
     return gathered
+
+
+def share_save_outcome(layout: SplitLayout, device: torch.device, error: BaseException | None) -> None:
+    """Every rank, at the same point after a save: one all-ranks vote on whether it failed (``error``:
+    a drafter rank's ``CheckpointWriteError``, None on target ranks). On a failure drafter rank 0's
+    one-line message reaches every rank and every rank raises: the drafters their own error, the target
+    ranks the message, so they stop at once instead of in the next step's vote (at a peer's exit or
+    ``train.dist_timeout_s``)."""
+    if not any_rank_flags([error is not None], device)[0]:
+        return
+    message = [str(error) if error is not None else None]
+    dist.broadcast_object_list(message, src=layout.drafter_main)
+    if error is not None:
+        raise error
+    raise space.CheckpointWriteError(
+        f"{message[0]} (target rank {layout.rank} stopped with the drafter ranks)"
+    )
 
 
 def split_metrics(reports: list[dict[str, Any]]) -> dict[str, float]:
