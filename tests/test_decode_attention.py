@@ -19,8 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.models.llama.modeling_llama import repeat_kv
 
 from dflash_train.generate.decode_attention import FLEX_BLOCK, LiveBlockMask, slot_decode_attention
-from dflash_train.generate.engine import PaddedEngine, SlotEngine
-from dflash_train.generate.sampling import Sampling
+from dflash_train.generate.engine import SlotEngine
+from dflash_train.generate.sampling import PaddedEngine, Sampling
 from dflash_train.tiny import build_tiny_target, sharpen
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from dflash_train.generate import engine as generation
-from dflash_train.generate.engine import PaddedEngine, SlotEngine, build_generator, slot_engine_problem
-from dflash_train.generate.sampling import Sampling
+from dflash_train.generate.engine import SlotEngine, build_generator, slot_engine_problem
+from dflash_train.generate.sampling import PaddedEngine, Sampling
 from dflash_train.generate.slot_cache import SlotAttentionLayer
 from dflash_train.tiny import build_tiny_target, sharpen
 

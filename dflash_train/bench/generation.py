@@ -51,8 +51,8 @@ import torch
 
 from dflash_train.bench.decode_profile import profile_decode
 from dflash_train.bench.progress import StepLimits, StepProgress
-from dflash_train.generate.engine import PaddedEngine, SlotEngine
-from dflash_train.generate.sampling import Sampling
+from dflash_train.generate.engine import SlotEngine
+from dflash_train.generate.sampling import PaddedEngine, Sampling
 
 HELP = "Generation engines (slots on either decode attention, padded): rows/s, tokens/s, decode profile."
 ENGINES = ("padded", "slots", "slots-flex", "slots-grouped", "slots-eager")

@@ -54,12 +54,13 @@ from dflash_train.generate.decode_attention import (
 )
 from dflash_train.generate.sampling import (
     Generation,
+    PaddedEngine,
     Sampling,
+    check_request,
     choose_tokens,
     left_pad,
     row_streams,
     row_uniforms,
-    sample_batch,
     step_keys,
 )
 from dflash_train.generate.slot_cache import SlotCache
@@ -437,13 +438,6 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def check_request(prompts, keys, max_new_tokens: int) -> None:
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens}: use >= 1")
-    if not prompts or any(len(p) == 0 for p in prompts) or len(keys) != len(prompts):
-        raise ValueError("generation needs non-empty prompts and one key per prompt")
-
-
 def check_free_memory(prefill, num_slots: int, capacity: int, device: torch.device) -> None:
     """Refuse a slot cache that would not fit, saying what to lower (CUDA only)."""
     if device.type != "cuda":
@@ -465,42 +459,6 @@ def check_free_memory(prefill, num_slots: int, capacity: int, device: torch.devi
 
 
 # ----------------------------------------------------------------------------- engine choice
-
-
-class PaddedEngine:
-    """The padded-batch loop of ``generate.sampling.sample_batch`` behind the engine interface (the fallback
-    for models the slot engine cannot run, and the baseline of the generation benchmark)."""
-
-    name = "padded"
-
-    def __init__(self, model: torch.nn.Module, *, num_slots: int):
-        self.model = model
-        self.num_slots = num_slots
-        self.generated_tokens = 0
-
-    @torch.no_grad()
-    def generate(self, prompts, keys, *, max_new_tokens, stop_ids, pad_id, sampling, on_rows=None):
-        check_request(prompts, keys, max_new_tokens)
-        results: list[Generation | None] = [None] * len(prompts)
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-        for start in range(0, len(order), self.num_slots):
-            batch = order[start : start + self.num_slots]
-            generations = sample_batch(
-                self.model,
-                [prompts[i] for i in batch],
-                [keys[i] for i in batch],
-                max_new_tokens=max_new_tokens,
-                stop_ids=stop_ids,
-                pad_id=pad_id,
-                sampling=sampling,
-            )
-            for i, generation in zip(batch, generations, strict=True):
-                results[i] = generation
-            num_tokens = sum(len(g.token_ids) + g.finished for g in generations)
-            self.generated_tokens += num_tokens
-            if on_rows is not None:
-                on_rows(len(batch), num_tokens)
-        return results
 
 
 def build_generator(model: torch.nn.Module, *, num_slots: int, engine: str = "auto", **options):

@@ -1,4 +1,4 @@
-"""Per-row seeded token draws, and the padded-batch engine (the fallback of ``generate/engine.py``).
+"""Per-row seeded token draws, and the padded-batch engine (``PaddedEngine``, the fallback of ``generate/engine.py``).
 
 ``generate/engine.py``'s slot engine is what synth, regen and the exact eval run; it draws every
 token with ``choose_tokens`` / ``row_uniforms`` below and runs ``left_pad``'s prefill. The loop
@@ -114,10 +114,7 @@ def sample_batch(
     sampling: Sampling,
 ) -> list[Generation]:
     """Continue every prompt until a stop id or ``max_new_tokens``; ``keys`` seed each row's draws."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens}: use >= 1")
-    if not prompts or any(len(p) == 0 for p in prompts) or len(keys) != len(prompts):
-        raise ValueError("sample_batch needs non-empty prompts and one key per prompt")
+    check_request(prompts, keys, max_new_tokens)
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_id, device)
     positions = (mask.cumsum(dim=-1) - 1).clamp(min=0)
@@ -181,6 +178,49 @@ def collect(steps, num_rows: int, stops: torch.Tensor) -> list[Generation]:
             else:
                 tokens_per_row[r].append(t)
     return [Generation(ids, stop is not None, stop) for ids, stop in zip(tokens_per_row, stopped_at)]
+
+
+def check_request(prompts, keys, max_new_tokens: int) -> None:
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens}: use >= 1")
+    if not prompts or any(len(p) == 0 for p in prompts) or len(keys) != len(prompts):
+        raise ValueError("generation needs non-empty prompts and one key per prompt")
+
+
+class PaddedEngine:
+    """The padded-batch loop of ``generate.sampling.sample_batch`` behind the engine interface (the fallback
+    for models the slot engine cannot run, and the baseline of the generation benchmark)."""
+
+    name = "padded"
+
+    def __init__(self, model: torch.nn.Module, *, num_slots: int):
+        self.model = model
+        self.num_slots = num_slots
+        self.generated_tokens = 0
+
+    @torch.no_grad()
+    def generate(self, prompts, keys, *, max_new_tokens, stop_ids, pad_id, sampling, on_rows=None):
+        check_request(prompts, keys, max_new_tokens)
+        results: list[Generation | None] = [None] * len(prompts)
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        for start in range(0, len(order), self.num_slots):
+            batch = order[start : start + self.num_slots]
+            generations = sample_batch(
+                self.model,
+                [prompts[i] for i in batch],
+                [keys[i] for i in batch],
+                max_new_tokens=max_new_tokens,
+                stop_ids=stop_ids,
+                pad_id=pad_id,
+                sampling=sampling,
+            )
+            for i, generation in zip(batch, generations, strict=True):
+                results[i] = generation
+            num_tokens = sum(len(g.token_ids) + g.finished for g in generations)
+            self.generated_tokens += num_tokens
+            if on_rows is not None:
+                on_rows(len(batch), num_tokens)
+        return results
 
 
 def resolve_device(device: str) -> str:
