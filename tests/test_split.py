@@ -320,6 +320,31 @@ def test_a_failed_save_stops_the_target_ranks_with_the_drafters_at_once(setup, f
     assert seconds < 150
 
 
+def test_a_refused_resume_stops_the_target_ranks_with_the_drafters(setup):
+    """A resume the drafter ranks refuse (here a changed train.gamma) is the same one-line error on
+    the target ranks, at once, not a gloo error when the drafters exit."""
+    root, overrides = setup
+    run_dir = root / "refused-resume"
+    codes, _ = launch({"mode": "colocated", "overrides": [*overrides, f"output_dir={run_dir}"]}, 1, run_dir)
+    assert codes == [0], logs(run_dir)
+    spec = {
+        "mode": "split",
+        "overrides": [*overrides, f"output_dir={run_dir}", "train.gamma=3", *split_overrides(1, 2)],
+        "timeout": 300,
+    }
+    codes, seconds = launch(spec, 2, run_dir, timeout_s=200)
+    assert all(code != 0 for code in codes), logs(run_dir)
+    failures = [json.loads((run_dir / "results" / f"rank{r}.json").read_text()) for r in range(2)]
+    for failure in failures:
+        assert failure["error"].startswith(
+            "ValueError: refusing to resume: train.gamma: checkpoint 0.0 -> now 3.0"
+        )
+    assert "target rank 0 stopped with the drafter ranks" in failures[0]["error"]
+    failed_at = [f["time"] for f in failures]
+    assert max(failed_at) - min(failed_at) < 10, failed_at
+    assert seconds < 150
+
+
 # ----------------------------------------------------------------------------- worker (one rank)
 
 

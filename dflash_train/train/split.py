@@ -201,6 +201,10 @@ class FeatureProducer:
         ]
         start = [None]
         dist.broadcast_object_list(start, src=layout.drafter_main)  # resume point, decided by drafter rank 0
+        if "error" in start[0]:  # the drafter ranks refused to resume
+            raise ValueError(
+                f"{start[0]['error']} (target rank {layout.rank} stopped with the drafter ranks)"
+            )
         self.start_step, self.start_micro = start[0]["step"], start[0]["micro"]
         self.total = start[0]["total"]  # a resume keeps the length the checkpoint's run planned
         self.produced = self.start_step
@@ -358,7 +362,11 @@ def build_drafter_run(
         group=group,
         writer=ckpt.CheckpointWriter(asynchronous=cfg.checkpoint.async_write),
     )
-    maybe_resume(run)  # may keep another length: the one the checkpoint's run was planned with
+    try:
+        maybe_resume(run)  # may keep another length: the one the checkpoint's run was planned with
+    except ValueError as err:  # a refused resume, on every drafter rank: the target ranks wait below
+        dist.broadcast_object_list([{"error": str(err)}], src=layout.drafter_main)
+        raise
     if local.is_main:
         write_run_info(
             run,
