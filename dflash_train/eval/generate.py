@@ -13,11 +13,11 @@ their id never matters.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 
-from dflash_train.generate.engine import build_generator
+from dflash_train.generate.engine import RowsCallback, build_generator
 from dflash_train.generate.sampling import Sampling
 
 
@@ -45,12 +45,12 @@ def greedy_continuations(
     eos_token_ids: Collection[int],
     pad_token_id: int,
     batch_size: int,
-    on_batch: Callable[[int], None] | None = None,
+    on_rows: RowsCallback | None = None,
     engine: str = "auto",
 ) -> list[list[int]]:
     """Greedy continuations of every prompt (EOS included when reached), in input order, with
-    ``batch_size`` rows decoding at a time. ``on_batch(num_prompts)`` is called as rows finish.
-    ``engine``: ``build_generator``'s auto, slots or padded."""
+    ``batch_size`` rows decoding at a time. ``on_rows(num_prompts, num_tokens)`` is called as rows
+    finish. ``engine``: ``build_generator``'s auto, slots or padded."""
     if not prompts:
         return []  # a rank with no held-out prompts
     generator = build_generator(model, num_slots=batch_size, engine=engine)
@@ -61,6 +61,6 @@ def greedy_continuations(
         stop_ids=eos_token_ids,
         pad_id=pad_token_id,
         sampling=Sampling(),
-        on_rows=None if on_batch is None else lambda num_rows, num_tokens: on_batch(num_rows),
+        on_rows=on_rows,
     )
     return [g.token_ids + ([g.stop_id] if g.finished else []) for g in generations]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -65,6 +66,21 @@ class ProgressBars:
     def counter(self, name: str, total: int) -> Callable[[int], None]:
         """A callback advancing bar ``name`` by n prompts."""
         return lambda n: self._advance(self._bar(name, total), n)
+
+    def generation_counter(self, name: str, total: int) -> Callable[[int, int], None]:
+        """``on_rows(num_prompts, num_tokens)`` for the generation engine: prompts done, rows/s and
+        generated tokens/s."""
+        started = time.perf_counter()
+        generated = 0
+
+        def update(num_rows: int, num_tokens: int) -> None:
+            nonlocal generated
+            generated += num_tokens
+            bar = self._bar(name, total)
+            bar.set_postfix(tok_s=round(generated / max(time.perf_counter() - started, 1e-9)), refresh=False)
+            self._advance(bar, num_rows)
+
+        return update
 
     def exact_callback(self, total: int, methods: Sequence[str]) -> Callable[[str, int, float | None], None]:
         """``on_progress(phase, n, tau)`` for ``exact.exact_generations``."""
