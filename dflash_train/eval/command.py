@@ -157,7 +157,7 @@ def exact_mode(
     started = time.perf_counter()
     continuations = greedy_continuations(
         target_model, prompts, max_new_tokens=options.max_new_tokens, eos_token_ids=eos, pad_token_id=pad,
-        batch_size=batch_size, on_batch=bars.counter("generate", len(prompts)),
+        batch_size=batch_size, on_rows=bars.generation_counter("generate", len(prompts)),
         engine=options.generation_engine,
     )  # fmt: skip
     timings["generate"] = time.perf_counter() - started
