@@ -21,7 +21,7 @@ import yaml
 
 # The target: and drafter: sections live with the models that use them (models/ names them in
 # signatures); re-exported here as part of the one config tree.
-from dflash_train.models.recipe_config import DrafterConfig, TargetConfig
+from dflash_train.models.recipe_config import DrafterConfig, TargetConfig, check_variant_placement
 
 PACKAGED_RECIPES = Path(__file__).parent / "recipes"
 
@@ -260,6 +260,7 @@ def validate(cfg: RunConfig) -> None:
             f"checkpoint.keep_last={cfg.checkpoint.keep_last}: keep at least 2 so a crash during a save leaves a good one."
         )
     validate_loss_options(t)
+    check_variant_placement(d, t.placement)
     validate_eval(cfg.eval, t)
     validate_sittings(cfg)
     if t.gamma < 0 or t.loss_chunk_tokens < 1 or t.sdpa_anchor_chunk < 1:

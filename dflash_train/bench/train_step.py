@@ -66,6 +66,8 @@ class BenchOptions(StepLimits):
     # Time the drafter step alone on fixed features.
     drafter_only: bool = False
     device: str = "auto"
+    # drafter.variant: dflash, dflash2 or dspark (docs/training.md "Variants").
+    variant: str = "dflash"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -75,6 +77,8 @@ class BenchOptions(StepLimits):
             raise ValueError(f"--attention-backend {self.attention_backend!r}: use auto, flex or sdpa")
         if min(self.rows, self.steps) < 1 or min(self.warmup, self.seq_len, self.num_anchors) < 0:
             raise ValueError("--rows and --steps must be >= 1; --warmup, --seq-len, --num-anchors >= 0")
+        if self.variant not in ("dflash", "dflash2", "dspark"):
+            raise ValueError(f"--variant {self.variant!r}: use dflash, dflash2 or dspark")
         if self.target_fp8 and self.preset == "tiny":
             raise ValueError(
                 "--target-fp8 needs a bfloat16 preset (qwen3.6-27b, qwen3-8b); tiny runs in float32"
@@ -136,6 +140,7 @@ def bench_config(args: BenchOptions):
         f"target.fp8={str(args.target_fp8).lower()}",
         f"drafter.preset={drafter_preset}",
         f"drafter.block_size={block_size}",
+        f"drafter.variant={args.variant}",
         f"train.num_anchors={anchors}",
         f"train.dtype={'float32' if tiny else 'bfloat16'}",
         f"train.attention_backend={args.attention_backend}",
@@ -201,6 +206,9 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
         help="train.loss; kl/ce+kl run the target to full depth and a teacher LM head per chunk",
     )
     parser.add_argument("--device", default="auto")
+    parser.add_argument(
+        "--variant", choices=["dflash", "dflash2", "dspark"], default="dflash", help="drafter.variant"
+    )
 
 
 def run_bench(args: BenchOptions) -> dict[str, Any]:
@@ -228,6 +236,7 @@ def run_bench(args: BenchOptions) -> dict[str, Any]:
     return {
         **result_header(args, device, seq_len, anchors),
         "block_size": bench_run.draft_config.block_size,
+        "variant": bench_run.draft_config.variant,
         "drafter_only": bool(args.drafter_only),
         "objective": cfg.train.loss,
         "attention_backend": "flex"

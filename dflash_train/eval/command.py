@@ -60,7 +60,7 @@ def run_eval(options: EvalOptions) -> dict[str, Any]:
         "ngram_min_match": options.ngram_min_match if "ngram+dflash" in options.exact_methods else None,
         **engine_fields(measured["decode_report"]),
     }
-    return finish_report(measured, files, options, drafter.config.block_size, extra)
+    return finish_report(measured, files, options, drafter.config.num_verify_tokens, extra)
 
 
 def measure(

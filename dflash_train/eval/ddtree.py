@@ -152,3 +152,12 @@ def ddtree_generate(
         max_new_tokens=max_new_tokens,
         eos_token_ids=eos_token_ids,
     )
+
+
+def check_tree_variant(tree: bool, config) -> None:
+    """DDTree grows its tree from the parallel head's top-K, which is DFlash's drafting only."""
+    if tree and config.variant != "dflash":
+        raise NotImplementedError(
+            f"DDTree with a {config.variant} drafter: a tree from the parallel head's top-K would skip the "
+            f"{config.variant} drafting procedure (the selector's walk / the Markov chain); drop ddtree."
+        )

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from dflash_train.eval.ddtree import check_tree_variant
 from dflash_train.eval.diagnosis import BlockStats, diagnose_request, summarize_diagnosis
 from dflash_train.eval.generate import length_sorted_batches
 from dflash_train.eval.simulate import (
@@ -65,7 +66,7 @@ class AnchorDrafts:
     """One prompt's drafter proposals at every candidate anchor: row j is the round that starts with
     j + 1 tokens emitted (anchor position ``prompt_len + j``). ``topk_*`` only for DDTree."""
 
-    tokens: torch.Tensor  # [A, B-1] argmax drafts
+    tokens: torch.Tensor  # [A, D] the drafts (D = B-1; B for DSpark): argmax, or the variant's pick
     topk_tokens: torch.Tensor | None = None  # [A, B-1, K]
     topk_logprobs: torch.Tensor | None = None  # [A, B-1, K]
 
@@ -127,21 +128,19 @@ def anchor_drafts(
     offsets = torch.arange(a_max)
     anchors = torch.tensor(prompt_lengths)[:, None] + offsets
     keep = offsets[None] < torch.tensor(num_anchors)[:, None]
-    hidden = drafter(
-        features,
-        ids,
-        anchors.to(device),
-        keep.to(device),
-        target.embed_tokens,
-        "sdpa",
-        64,
-        sdpa_trim_context=True,  # eval needs no fixed shapes; trimming skips keys no query sees
-    )  # [R, A, B, H]
-    result = block_proposals(hidden[:, :, 1:], target.lm_head, topk)
+    inputs = (features, ids, anchors.to(device), keep.to(device), target.embed_tokens, "sdpa", 64)
+    # Eval needs no fixed shapes: trimming skips context keys no query sees.
+    if config.variant == "dflash":
+        hidden = drafter(*inputs, sdpa_trim_context=True)  # [R, A, B, H]
+        result = block_proposals(hidden[:, :, 1:], target.lm_head, topk)
+        del hidden
+    else:  # the variant's own drafting procedure, inside the drafter's forward
+        drafts = drafter(*inputs, sdpa_trim_context=True, drafts_with=target.lm_head)
+        result = (drafts.cpu(), None, None)
     _sync(device)
     timings["drafter"] = timings.get("drafter", 0.0) + time.perf_counter() - started
-    del features, hidden
-    assert result[0].shape[-1] == config.block_size - 1
+    del features
+    assert result[0].shape[-1] == config.num_draft_tokens
     return [
         AnchorDrafts(
             tokens=result[0][r, : num_anchors[r]],
@@ -208,7 +207,7 @@ def exact_acceptance(
     summarize_diagnosis(...) or None, "timings": {"features", "drafter", "simulation"}}`` (seconds).
     """
     result = exact_measure(target, drafter, prompts, continuations, **options)
-    block_size = drafter_config(drafter).block_size
+    block_size = drafter_config(drafter).num_verify_tokens
     summaries = {name: summarize_rounds(gens, block_size) for name, gens in result.generations.items()}
     diagnosis = summarize_diagnosis(result.diagnoses, block_size) if result.diagnoses else None
     return {"methods": summaries, "diagnosis": diagnosis, "timings": result.timings}
@@ -253,6 +252,7 @@ def exact_measure(
     if len(prompts) != len(continuations):
         raise ValueError(f"{len(prompts)} prompts but {len(continuations)} continuations")
     config = drafter_config(drafter)
+    check_tree_variant("ddtree" in methods, config)
     timings: dict[str, float] = {"features": 0.0, "drafter": 0.0, "simulation": 0.0}
     drafts: list[AnchorDrafts | None] = [None] * len(prompts)
     if any(m in DRAFTER_METHODS for m in methods):
@@ -271,7 +271,7 @@ def exact_measure(
         )
     started = time.perf_counter()
     common = {
-        "block_size": config.block_size,
+        "block_size": config.num_verify_tokens,  # the round: the last token and the drafts
         "max_new_tokens": max_new_tokens,
         "eos_token_ids": eos_token_ids,
     }

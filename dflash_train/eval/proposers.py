@@ -150,13 +150,17 @@ def ranked_logprobs(num_positions: int, k: int) -> torch.Tensor:
 
 
 class DFlashProposer(Proposer):
-    """The trained DFlash drafter: block ``[last token, MASK * (B-1)]`` at position start = position
-    of the last token, attending to the cached context features of all positions < start; the
-    target's frozen LM head turns the block's hidden states into draft logits.
+    """The trained drafter: block ``[last token, MASK * (B-1)]`` at position start = position of the
+    last token, attending to the cached context features of all positions < start; the target's
+    frozen LM head and the drafter's variant turn the block's hidden states into its drafts
+    (``draft_tokens``: argmax, DFlash2's selector walk or DSpark's Markov chain).
 
     ``drafter`` implements the inference contract of docs/CONTRACTS.md: ``new_context_cache()``,
-    ``extend_context(cache, features[1, P, n*H])`` and
-    ``forward_block(block_ids[1, B], start, cache, embed_tokens) -> hidden[1, B, H]``.
+    ``extend_context(cache, features[1, P, n*H])``,
+    ``forward_block(block_ids[1, B], start, cache, embed_tokens) -> hidden[1, B, H]`` and, for a
+    variant, ``draft_tokens(hidden[M, B, H], first_ids[M], lm_head) -> drafts[M, D]`` (without it:
+    the argmax of the LM head at block positions 1..B-1). The decode loop's
+    ``block_size`` is the round width D + 1 (``config.num_verify_tokens``: B, or B + 1 for DSpark).
     """
 
     def __init__(self, drafter, target_embed, target_lm_head, block_size: int, mask_token_id: int):
@@ -164,6 +168,7 @@ class DFlashProposer(Proposer):
         self.embed = target_embed
         self.lm_head = target_lm_head
         self.block_size = block_size
+        self.round_size = getattr(getattr(drafter, "config", None), "num_verify_tokens", block_size)
         self.mask_token_id = mask_token_id
         self.cache = None
         self.num_context = 0
@@ -173,8 +178,8 @@ class DFlashProposer(Proposer):
         self.num_context = 0
 
     @torch.no_grad()
-    def block_logits(self, accepted_ids: Sequence[int], new_features: torch.Tensor | None) -> torch.Tensor:
-        """Draft logits ``[B-1, V]`` (float32) for the block after the last accepted token."""
+    def block_hidden(self, accepted_ids: Sequence[int], new_features: torch.Tensor | None) -> torch.Tensor:
+        """The drafter's hidden states ``[1, B, H]`` of the block after the last accepted token."""
         if new_features is not None and new_features.shape[0] > 0:
             self.drafter.extend_context(self.cache, new_features.unsqueeze(0).to(self._feature_dtype()))
             self.num_context += new_features.shape[0]
@@ -187,7 +192,11 @@ class DFlashProposer(Proposer):
             (1, self.block_size), self.mask_token_id, dtype=torch.long, device=self.embed.weight.device
         )
         block[0, 0] = accepted_ids[-1]
-        hidden = self.drafter.forward_block(block, start, self.cache, self.embed)
+        return self.drafter.forward_block(block, start, self.cache, self.embed)
+
+    def block_logits(self, accepted_ids: Sequence[int], new_features: torch.Tensor | None) -> torch.Tensor:
+        """Draft logits ``[B-1, V]`` (float32) of the parallel head for the block after the last token."""
+        hidden = self.block_hidden(accepted_ids, new_features)
         return self.lm_head(hidden[0, 1:].to(self.lm_head.weight.dtype)).float()
 
     def _feature_dtype(self) -> torch.dtype:
@@ -195,17 +204,26 @@ class DFlashProposer(Proposer):
         return param.dtype if param is not None else self.embed.weight.dtype
 
     def _check_block_size(self, block_size: int) -> None:
-        if block_size != self.block_size:
+        if block_size != self.round_size:
             raise ValueError(
-                f"the drafter was trained with block size {self.block_size}, the loop asked for {block_size}"
+                f"the drafter was trained with block size {self.block_size} ({self.round_size - 1} drafts per "
+                f"round), the loop asked for rounds of {block_size}"
             )
 
     def propose(self, accepted_ids, new_features, block_size):
         self._check_block_size(block_size)
-        return Draft(tokens=self.block_logits(accepted_ids, new_features).argmax(-1).tolist())
+        hidden = self.block_hidden(accepted_ids, new_features)
+        if not hasattr(self.drafter, "draft_tokens"):  # the DFlash contract: argmax of the LM head
+            return Draft(tokens=self.lm_head(hidden[0, 1:].to(self.lm_head.weight.dtype)).argmax(-1).tolist())
+        first = torch.tensor([accepted_ids[-1]], device=hidden.device)
+        return Draft(tokens=self.drafter.draft_tokens(hidden, first, self.lm_head)[0].tolist())
 
     def propose_topk(self, accepted_ids, new_features, block_size, k):
         self._check_block_size(block_size)
+        if getattr(self.drafter.config, "variant", "dflash") != "dflash":
+            raise NotImplementedError(
+                "DDTree top-k is the DFlash parallel head's; the variant drafts otherwise"
+            )
         logprobs = torch.log_softmax(self.block_logits(accepted_ids, new_features), dim=-1)
         top = logprobs.topk(k, dim=-1)
         return top.indices.cpu(), top.values.cpu()

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dflash_train.eval.ddtree import ddtree_generate
+from dflash_train.eval.ddtree import check_tree_variant, ddtree_generate
 from dflash_train.eval.engines import DynamicEngine, build_decode_engine
 from dflash_train.eval.proposers import DFlashProposer, NgramProposer, Proposer
 from dflash_train.eval.speculative import Generation, plain_generate, speculative_generate
@@ -184,7 +184,7 @@ def build_method(
     if name not in METHOD_NAMES:
         raise ValueError(f"unknown eval method {name!r}; use one of {list(METHOD_NAMES)}")
     if name == "ngram":
-        size = block_size or (drafter.config.block_size if drafter is not None else 16)
+        size = block_size or (drafter.config.num_verify_tokens if drafter is not None else 16)
         return Method("ngram", lambda prompt, ref: NgramProposer(ngram_n), block_size=size)
     if drafter is None:
         raise ValueError(f"eval method {name!r} needs a drafter")
@@ -196,10 +196,11 @@ def build_method(
 
     if name == "ddtree" and ddtree_budget < 1:
         raise ValueError("eval method 'ddtree' needs ddtree_budget >= 1 (--ddtree-budget N)")
+    check_tree_variant(name == "ddtree", config)
     return Method(
         name,
         make_proposer,
-        block_size=config.block_size,
+        block_size=config.num_verify_tokens,  # a round verifies the last token and the drafts
         target_layer_ids=tuple(config.target_layer_ids),
         ddtree_budget=ddtree_budget if name == "ddtree" else 0,
         ddtree_topk=ddtree_topk,

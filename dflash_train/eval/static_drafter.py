@@ -5,18 +5,20 @@ shapes, so it cannot be captured. ``StaticDFlashProposer`` keeps, per drafter la
 preallocated K/V buffer of ``capacity`` slots (``max_length + block_size``) and runs one
 fixed-shape step per round that
 
-1. projects the round's new target features (the committed positions, <= B of them, padded to B
-   rows) into context K/V and writes them at slots ``num_context ..`` (``index_copy_``); padded rows
-   land on slots at or after the block's start, which no query sees and the next round overwrites;
+1. projects the round's new target features (the committed positions: at most B, or B + 1 for
+   DSpark, padded to that many rows) into context K/V and writes them at slots ``num_context ..``
+   (``index_copy_``); padded rows land on slots at or after the block's start, which no query
+   sees and the next round overwrites;
 2. runs the block ``[last token, MASK * (B-1)]`` at positions start..start+B-1 through the drafter's
    layers (``forward_with_context_kv``) with a mask over the whole buffer built from the start
    tensor by the same visibility rule as training (``masks.visible``): context slot p is visible
    iff p < start (and inside the window for sliding layers);
-3. applies the final norm, the target's LM head and argmax: B-1 draft tokens.
+3. applies the final norm and the drafter's ``draft_tokens`` (the target's LM head, then argmax,
+   DFlash2's selector walk or DSpark's Markov chain): the round's draft tokens.
 
 The prompt's features (more than B rows) are written eagerly before the first step. On CUDA the
 step is captured once as a CUDA graph and replayed; on CPU it runs eagerly on the same buffers.
-This is the static drafter cache (not a padded context bucket): models/drafter.py is unchanged,
+This is the static drafter cache (not a padded context bucket): models/drafter.py is not changed for it,
 only its layers and projections are called.
 
 Shapes: B block size, C capacity (slots), n*H features, Hkv kv heads, D head dim.
@@ -53,7 +55,9 @@ class StaticDFlashProposer(Proposer):
         self.num_context = 0
         num_features = config.num_target_features * config.hidden_size
         # Static inputs of the step: new feature rows, where they go, where the block starts, its first token.
-        self._features = torch.zeros(self.block_size, num_features, dtype=self.dtype, device=self.device)
+        # A round commits at most the previous bonus and its drafts: num_verify_tokens rows (B; B + 1 for DSpark).
+        self.feature_rows = config.num_verify_tokens
+        self._features = torch.zeros(self.feature_rows, num_features, dtype=self.dtype, device=self.device)
         self._write_start = torch.zeros((), dtype=torch.long, device=self.device)
         self._block_start = torch.zeros((), dtype=torch.long, device=self.device)
         self._offsets = torch.arange(self.block_size, device=self.device)
@@ -99,7 +103,7 @@ class StaticDFlashProposer(Proposer):
         return attend
 
     def _forward(self, block_ids: torch.Tensor) -> torch.Tensor:
-        """block_ids [1, B] -> draft tokens [B-1]; only tensor ops on static buffers (capturable)."""
+        """block_ids [1, B] -> draft tokens [D]; only tensor ops on static buffers (capturable)."""
         self._write_context(self._features, self._write_start)
         hidden = self.drafter.embed_block(block_ids, self.embed)
         rope = self.drafter.rope((self._block_start + self._offsets)[None])
@@ -108,13 +112,14 @@ class StaticDFlashProposer(Proposer):
             attend = attends[self.drafter.config.layer_types[index]]
             hidden = layer.forward_with_context_kv(hidden, self.keys[index], self.values[index], rope, attend)
         hidden = self.drafter.norm(hidden)
-        return self.lm_head(hidden[0, 1:].to(self.lm_head.weight.dtype)).float().argmax(-1)
+        return self.drafter.draft_tokens(hidden, block_ids[:, 0], self.lm_head)[0]
 
     @torch.no_grad()
     def propose(self, accepted_ids, new_features, block_size):
-        if block_size != self.block_size:
+        if block_size != self.drafter.config.num_verify_tokens:
             raise ValueError(
-                f"the drafter was trained with block size {self.block_size}, the loop asked for {block_size}"
+                f"the drafter was trained with block size {self.block_size} "
+                f"({self.drafter.config.num_draft_tokens} drafts per round), the loop asked for rounds of {block_size}"
             )
         num_new = 0 if new_features is None else new_features.shape[0]
         start = len(accepted_ids) - 1
@@ -127,7 +132,7 @@ class StaticDFlashProposer(Proposer):
                 f"static drafter context of {self.capacity} slots is too short for position {start}"
             )
         self._write_start.fill_(self.num_context)
-        if num_new > self.block_size:  # the prompt: written eagerly, the step then writes only padding
+        if num_new > self.feature_rows:  # the prompt: written eagerly, the step then writes only padding
             self._write_context(new_features.to(self.device, self.dtype), self._write_start)
             self._write_start.fill_(start)
             num_new = 0

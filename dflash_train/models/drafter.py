@@ -17,8 +17,14 @@ z-lab/dflash ``dflash/model.py``, SGLang ``python/sglang/srt/models/dflash.py`` 
   over the full head_dim with the drafter's rope_theta; context position p, block token k at a+k;
 - the final ``norm`` is applied before the target's LM head (all three return normed hidden states).
 
+Variants (``config.variant``): DFlash2 layers put every sublayer between two grouped dynamic
+convolutions and add a candidate selector (``models/dflash2.py``); DSpark adds a Markov head and a
+confidence head and scores every block slot (``models/dspark.py``). ``forward_train(..., heads=True)``
+returns what the loss needs of them (``DraftOutput``); ``draft_tokens`` is each variant's drafting
+procedure on the block hidden states (argmax / the selector's walk / the Markov chain).
+
 Shapes: R rows, L sequence, A anchors, B block size, H hidden, n feature layers, P cached context
-length, T query tokens, Hq/Hkv query/kv heads, D head dim.
+length, T query tokens, Hq/Hkv query/kv heads, D head dim (``DraftOutput``: D predicted slots), M blocks.
 """
 
 from __future__ import annotations
@@ -27,8 +33,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from dflash_train.models.dflash2 import CandidateSelector, GroupedDynamicConv, dflash2_layer_step
 from dflash_train.models.drafter_config import DFlashDraftConfig
 from dflash_train.models.masks import (
     AttendFn,
@@ -146,6 +154,46 @@ class DFlashDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
+class DFlash2DecoderLayer(DFlashDecoderLayer):
+    """A DFlash layer whose attention and MLP each sit between two grouped dynamic convolutions."""
+
+    def __init__(self, config: DFlashDraftConfig) -> None:
+        super().__init__(config)
+        self.attention_conv = GroupedDynamicConv(config)
+        self.mlp_conv = GroupedDynamicConv(config)
+
+    def forward_with_context_kv(
+        self, hidden: Tensor, k_ctx: Tensor, v_ctx: Tensor, block_rope: Rope, attend: AttendFn
+    ) -> Tensor:
+        return dflash2_layer_step(self, hidden, k_ctx, v_ctx, block_rope, attend)
+
+
+@dataclass
+class DraftOutput:
+    """What the loss needs of one training forward (``forward_train(..., heads=True)``).
+
+    ``hidden`` [R, A, D, H]: the final-norm states of the D slots that predict ids[a+1] .. ids[a+D]
+    (block slots 1..B-1, or 0..B-1 for DSpark). DFlash2: the selector's ``selector_gate`` [R, A, D, r]
+    (``predecessor_codebook[gold previous] * hidden_projection(h)``) and its successor codebook
+    ``selector_table`` [V, r]. DSpark: the Markov embedding of the gold previous token
+    ``markov_latent`` [R, A, D, r], ``markov_table`` = ``markov_w2.weight`` [V, r], and the
+    ``confidence`` logits [R, A, D]. The tables are returned from the forward so that a sharded
+    (FSDP2) drafter hands the loss its gathered weights.
+    """
+
+    hidden: Tensor
+    selector_gate: Tensor | None = None
+    selector_table: Tensor | None = None
+    selector_top_k: int = 0
+    markov_latent: Tensor | None = None
+    markov_table: Tensor | None = None
+    confidence: Tensor | None = None
+
+
+# DDP and FSDP2 find the tensors of a forward's output with pytree (gradient hooks, backward unshard).
+pytree.register_dataclass(DraftOutput)
+
+
 @dataclass
 class ContextCache:
     """Per-layer context keys/values [R, Hkv, P, D] for accepted positions 0..P-1 (normed, roped)."""
@@ -186,10 +234,13 @@ class DFlashDrafter(nn.Module):
             )
         self.config = config
         hidden = config.hidden_size
-        self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        layer_class = DFlash2DecoderLayer if config.variant == "dflash2" else DFlashDecoderLayer
+        self.layers = nn.ModuleList(layer_class(config) for _ in range(config.num_hidden_layers))
         self.fc = nn.Linear(config.num_target_features * hidden, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
+        if config.variant == "dflash2":
+            self.candidate_selector = CandidateSelector(config)
         self.mask_specs = {
             name: LayerMaskSpec.for_layer(name, config.sliding_window, config.is_causal)
             for name in dict.fromkeys(config.layer_types)
@@ -197,12 +248,16 @@ class DFlashDrafter(nn.Module):
         self.init_weights()
 
     def init_weights(self, std: float = 0.02) -> None:
-        """HF-style init: linear weights N(0, std), norms 1 (a no-op on the meta device)."""
+        """HF-style init: linear weights N(0, std), norms 1, then each variant module's own
+        (``reset_variant_parameters``); a no-op on the meta device."""
         for module in self.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+        for module in self.modules():
+            if hasattr(module, "reset_variant_parameters"):
+                module.reset_variant_parameters()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -229,9 +284,18 @@ class DFlashDrafter(nn.Module):
 
     # -- training ---------------------------------------------------------------------------------
 
-    def forward(self, *args, **kwargs) -> Tensor:
-        """``forward_train``; call the module itself under DDP/FSDP so their forward hooks run."""
-        return self.forward_train(*args, **kwargs)
+    def forward(self, *args, drafts_with: nn.Module | None = None, **kwargs) -> Tensor | DraftOutput:
+        """``forward_train``; call the module itself under DDP/FSDP so their forward hooks run.
+
+        ``drafts_with=lm_head`` returns every block's drafts [R, A, num_draft_tokens] instead
+        (``draft_tokens`` inside the forward, so a sharded drafter's heads are gathered)."""
+        if drafts_with is None:
+            return self.forward_train(*args, **kwargs)
+        hidden = self.forward_train(*args, **kwargs)
+        input_ids, anchors, keep = args[1], args[2], args[3]
+        first = input_ids.gather(1, torch.where(keep, anchors, torch.zeros_like(anchors)))
+        drafts = self.draft_tokens(hidden.flatten(0, 1), first.flatten(), drafts_with)
+        return drafts.view(*anchors.shape, -1)
 
     def forward_train(
         self,
@@ -245,8 +309,10 @@ class DFlashDrafter(nn.Module):
         *,
         sdpa_trim_context: bool = False,
         position_ids: Tensor | None = None,
-    ) -> Tensor:
-        """All blocks of a micro-batch at once -> hidden [R, A, B, H] after the final norm.
+        heads: bool = False,
+    ) -> Tensor | DraftOutput:
+        """All blocks of a micro-batch at once -> hidden [R, A, B, H] after the final norm
+        (``heads``: the ``DraftOutput`` the loss needs instead).
 
         features [R, L, n*H], input_ids [R, L], anchors [R, A] (0 <= a < L where keep), keep [R, A].
         Padded anchors (keep=0) are moved to position 0: their outputs are don't-care but finite.
@@ -282,7 +348,53 @@ class DFlashDrafter(nn.Module):
         )
         for layer, layer_type in zip(self.layers, self.config.layer_types, strict=True):
             hidden = layer(hidden, context, block_rope, context_rope, attends[layer_type])
-        return self.norm(hidden).view(num_rows, -1, size, hidden.shape[-1])
+        hidden = self.norm(hidden).view(num_rows, -1, size, hidden.shape[-1])
+        return self.draft_output(hidden, input_ids, anchors) if heads else hidden
+
+    def draft_output(self, hidden: Tensor, input_ids: Tensor, anchors: Tensor) -> DraftOutput:
+        """hidden [R, A, B, H] -> the scored slots and, per variant, its heads' training inputs."""
+        config = self.config
+        scored = hidden[:, :, config.first_scored_slot :]
+        if config.variant == "dflash":
+            return DraftOutput(hidden=scored)
+        # The gold token before each slot's label ids[a+1+j] is ids[a+j] (the anchor for j = 0).
+        positions = (anchors[..., None] + torch.arange(scored.shape[2], device=anchors.device)).clamp(
+            max=input_ids.shape[1] - 1
+        )
+        previous = input_ids.gather(1, positions.flatten(1)).view_as(positions)  # [R, A, D]
+        selector = self.candidate_selector
+        return DraftOutput(
+            hidden=scored,
+            selector_gate=selector.gate(scored, previous),
+            selector_table=selector.successor_codebook,
+            selector_top_k=selector.top_k,
+        )
+
+    @torch.no_grad()
+    def draft_tokens(
+        self, hidden: Tensor, anchor_ids: Tensor, lm_head: nn.Module, chunk_tokens: int = 2048
+    ) -> Tensor:
+        """The variant's drafts [M, num_draft_tokens] from block hidden states [M, B, H] (final norm
+        applied) and the blocks' first tokens [M]: the argmax of the target's LM head (DFlash), the
+        selector's left-to-right walk over its top-K (DFlash2), or the Markov chain (DSpark).
+        Blocks go through the LM head ``chunk_tokens`` tokens at a time ([M, D, V] never exists)."""
+        step = max(1, chunk_tokens // hidden.shape[1])
+        if hidden.shape[0] <= step:
+            return self._block_drafts(hidden, anchor_ids, lm_head)
+        parts = [
+            self._block_drafts(hidden[i : i + step], anchor_ids[i : i + step], lm_head)
+            for i in range(0, hidden.shape[0], step)
+        ]
+        return torch.cat(parts)
+
+    def _block_drafts(self, hidden: Tensor, anchor_ids: Tensor, lm_head: nn.Module) -> Tensor:
+        scored = hidden[:, self.config.first_scored_slot :]
+        logits = lm_head(scored.to(lm_head.weight.dtype)).float()  # [M, D, V]
+        if self.config.variant == "dflash2":
+            selector = self.candidate_selector
+            unary, candidates = logits.topk(selector.top_k, dim=-1)
+            return selector.walk(candidates, unary, scored, anchor_ids)
+        return logits.argmax(-1)
 
     # -- inference --------------------------------------------------------------------------------
 

@@ -299,4 +299,5 @@ def resolve_drafter_config(
         block_size=drafter.block_size,
         is_causal=drafter.is_causal,
         torch_dtype=torch_dtype,
+        **drafter.variant_fields(),
     )

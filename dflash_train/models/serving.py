@@ -8,6 +8,14 @@ the exact flags for one export, and the engine differences that matter for it:
   (``VLLM_USE_V2_MODEL_RUNNER=1``); the V1 runner refuses them;
 - SGLang ignores ``is_causal`` (sliding layers are always causal in-block there);
 - engines differ on the last target layer's feature (before or after the final norm).
+
+DFlash2 exports serve with SGLang's ``DFLASH`` algorithm (its DFlash2 support was reported merged as
+SGLang PR #35371) and vLLM's ``dflash`` method on the V2 model runner (vLLM PR #52816, which
+registers ``DFlash2DraftModel`` and runs its selector in ``spec_decode/dflash2``). DSpark exports
+serve with SGLang's ``DSPARK`` algorithm (``--speculative-num-draft-tokens B + 1``: every block slot
+drafts) and vLLM's ``dspark`` method (``num_speculative_tokens: B``), whose speculator also lives in
+the V2 model runner (``spec_decode/dspark``). These flags come from the engines' sources as read,
+not from a served run here (docs/training.md, "Serving the export").
 """
 
 from __future__ import annotations
@@ -25,28 +33,37 @@ def serving_flags(
 ) -> dict[str, str]:
     """The launch commands of SGLang and vLLM for this export: ``{"sglang": ..., "vllm": ...}``."""
     draft = str(Path(export_dir).resolve())
-    block = config.block_size
-    vllm_config = json.dumps({"method": "dflash", "model": draft, "num_speculative_tokens": block - 1})
+    method = "dspark" if config.variant == "dspark" else "dflash"
+    vllm_config = json.dumps(
+        {"method": method, "model": draft, "num_speculative_tokens": config.num_draft_tokens}
+    )
     vllm_env = "VLLM_USE_V2_MODEL_RUNNER=1 " if needs_vllm_v2_runner(config) else ""
     return {
         "sglang": (
             f"python -m sglang.launch_server --model-path {target} "
-            f"--speculative-algorithm DFLASH --speculative-draft-model-path {draft} "
-            f"--speculative-num-draft-tokens {block}"
+            f"--speculative-algorithm {method.upper()} --speculative-draft-model-path {draft} "
+            f"--speculative-num-draft-tokens {config.num_verify_tokens}"
         ),
         "vllm": f"{vllm_env}vllm serve {target} --speculative-config '{vllm_config}'",
     }
 
 
 def needs_vllm_v2_runner(config: DFlashDraftConfig) -> bool:
-    """Mixed sliding/full layers need several KV-cache groups, which only vLLM's V2 runner has."""
-    return len(set(config.layer_types)) > 1
+    """Mixed sliding/full layers need several KV-cache groups, which only vLLM's V2 runner has; the
+    DFlash2 and DSpark speculators exist only there."""
+    return len(set(config.layer_types)) > 1 or config.variant != "dflash"
 
 
 def serving_warnings(config: DFlashDraftConfig) -> list[str]:
     """Engine differences that apply to this drafter (empty when it serves the same everywhere)."""
     notes = []
-    if needs_vllm_v2_runner(config):
+    if config.variant != "dflash":
+        notes.append(
+            f"A {config.variant} drafter: vLLM runs it only on its V2 model runner (`VLLM_USE_V2_MODEL_RUNNER=1`, "
+            "included above), and SGLang and vLLM need versions with its speculator; llama.cpp loads it too "
+            '(docs/training.md, "Serving the export").'
+        )
+    elif needs_vllm_v2_runner(config):
         notes.append(
             "The drafter mixes sliding and full attention layers: vLLM serves it only with its V2 model "
             "runner (`VLLM_USE_V2_MODEL_RUNNER=1`, included above); without it vLLM refuses to start."
@@ -68,19 +85,20 @@ def serving_warnings(config: DFlashDraftConfig) -> list[str]:
 def serving_notes(config: DFlashDraftConfig, export_dir: str | Path, target: str = "<target>") -> str:
     """The text of ``SERVING.md``: block length, both launch commands and the applicable warnings."""
     flags = serving_flags(config, export_dir, target)
-    block = config.block_size
+    block, drafts, verify = config.block_size, config.num_draft_tokens, config.num_verify_tokens
+    name = {"dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark"}[config.variant]
     lines = [
-        "# Serving this DFlash drafter",
+        f"# Serving this {name} drafter",
         "",
-        f"Block size {block}: each round drafts {block - 1} tokens. Serve it against the target it was "
+        f"Block size {block}: each round drafts {drafts} tokens. Serve it against the target it was "
         f"trained for ({config.num_target_layers} layers, hidden {config.hidden_size}, vocab "
         f"{config.vocab_size}; feature layers {config.target_layer_ids}, mask token {config.mask_token_id}).",
         "",
-        f"SGLang (`--speculative-num-draft-tokens {block}`):",
+        f"SGLang (`--speculative-num-draft-tokens {verify}`):",
         "",
         f"    {flags['sglang']}",
         "",
-        f"vLLM (`num_speculative_tokens: {block - 1}`):",
+        f"vLLM (`num_speculative_tokens: {drafts}`):",
         "",
         f"    {flags['vllm']}",
     ]

@@ -74,12 +74,13 @@ def train_step_flops(
         dc.num_hidden_layers * 2.0 * seq_len * dc.hidden_size * 2 * dc.num_key_value_heads * dc.head_dim
     )
     fc = 2.0 * seq_len * dc.num_target_features * dc.hidden_size * dc.hidden_size
-    lm_head = 2.0 * num_anchors * (dc.block_size - 1) * dc.hidden_size * dc.vocab_size
+    lm_head = 2.0 * num_anchors * dc.num_draft_tokens * dc.hidden_size * dc.vocab_size
+    heads = variant_head_flops(dc, num_anchors)
 
     out = {
         "target": target,
-        "drafter_fwd": block_layers + context_kv + fc,
-        "drafter_bwd": 2 * block_layers + 2 * context_kv + fc,
+        "drafter_fwd": block_layers + context_kv + fc + heads,
+        "drafter_bwd": 2 * block_layers + 2 * context_kv + fc + 2 * heads,
         "lm_head_fwd": lm_head,
         "lm_head_bwd": lm_head,
     }
@@ -197,7 +198,28 @@ def drafter_layer_flops(dc: DFlashDraftConfig, layer_idx: int, seq_len: int, num
     # In-block keys: all K (bidirectional), or (K+1)/2 on average for a causal sliding layer.
     in_block = (block + 1) / 2 if sliding and dc.is_causal else block
     scores = 4.0 * h * d * tokens * (context + in_block)
-    return projections + mlp + scores
+    # DFlash2: each sublayer's kernel projection (H -> 2 * taps * groups) and its two convolutions.
+    convs = 0.0
+    if dc.variant == "dflash2":
+        groups = hidden // dc.conv_group_size
+        convs = 2 * (
+            2.0 * tokens * hidden * 2 * dc.conv_kernel_size * groups
+            + 4.0 * tokens * hidden * dc.conv_kernel_size
+        )
+    return projections + mlp + scores + convs
+
+
+def variant_head_flops(dc: DFlashDraftConfig, num_anchors: int) -> float:
+    """Forward FLOPs of a variant's heads on the scored block tokens. DFlash2: the selector's
+    hidden projection and candidate scores (its convolutions are in ``drafter_layer_flops``).
+    DSpark: the Markov bias over the vocabulary (rank r x V per token, next to the LM head's H x V)
+    and the confidence head."""
+    tokens = num_anchors * dc.num_draft_tokens
+    if dc.variant == "dflash2":
+        return 2.0 * tokens * dc.selector_rank * (dc.hidden_size + dc.selector_top_k)
+    if dc.variant == "dspark":
+        return 2.0 * tokens * (dc.markov_rank * dc.vocab_size + dc.hidden_size + dc.markov_rank)
+    return 0.0
 
 
 def mean_visible_context(seq_len: int, window: int | None = None) -> float:

@@ -130,7 +130,7 @@ def evaluate(run, heldout: HeldoutEval) -> dict[str, Any]:
 
     started = time.perf_counter()
     cfg = run.cfg.eval
-    block_size = run.draft_config.block_size
+    block_size = run.draft_config.num_verify_tokens  # the round: the last token and the drafts
     methods = ("dflash", "ngram+dflash") if cfg.ngram else ("dflash",)
     with untouched_training_state(run.info.device):
         drafter = drafter_copy(run)
@@ -276,7 +276,7 @@ def ngram_metrics(run, heldout: HeldoutEval) -> dict[str, Any]:
     """``eval_ngram_tau`` (and per file) of prompt-lookup drafting: a host simulation, no drafter."""
     from dflash_train.eval.simulate import simulate_ngram
 
-    cfg, block_size = run.cfg.eval, run.draft_config.block_size
+    cfg, block_size = run.cfg.eval, run.draft_config.num_verify_tokens
     local = [
         simulate_ngram(
             prompt,

@@ -28,8 +28,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from dflash_train.models.drafter import DraftOutput
 from dflash_train.train import loss_terms
 from dflash_train.train.loss_terms import dpace_weights
+from dflash_train.train.variant_terms import SelectorGrads
 
 TOPK = (1, 4, 16)
 # Rows of the per-position statistics tensor returned with the loss.
@@ -45,7 +47,9 @@ class LossOptions:
     ``loss``: "ce" (weighted cross-entropy on the data's tokens), "kl" (``kl_weight`` x forward KL
     from the target's distribution, full vocabulary or its renormalised top ``kl_topk``) or "ce+kl"
     (their sum). ``weighting``: "decay" (exp(-(k-1)/gamma)) or "dpace" (D-PACE, smoothing
-    ``dpace_alpha``). Built from ``train.*`` by ``from_train_config``.
+    ``dpace_alpha``). ``ce_weight`` scales the CE term and ``selector_weight`` weighs DFlash2's
+    selector cross-entropy (``train/variant_terms.py``). Built from ``train.*`` (and the variant's
+    ``drafter.*`` weights) by ``from_train_config``.
     """
 
     loss: str = "ce"
@@ -53,6 +57,9 @@ class LossOptions:
     kl_topk: int = 0
     weighting: str = "decay"
     dpace_alpha: float = 0.5
+    # Drafter variants (``drafter.*``): the factor of the CE term, and DFlash2's selector term.
+    ce_weight: float = 1.0
+    selector_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.loss not in LOSS_KINDS or self.weighting not in WEIGHTINGS:
@@ -67,14 +74,19 @@ class LossOptions:
             )
 
     @classmethod
-    def from_train_config(cls, train) -> LossOptions:
-        """The options of a ``TrainConfig`` (``train.loss``, ``kl_weight``, ``kl_topk``, ...)."""
+    def from_train_config(cls, train, drafter=None) -> LossOptions:
+        """The options of a ``TrainConfig`` (``train.loss``, ``kl_weight``, ``kl_topk``, ...) and, with
+        the recipe's ``DrafterConfig``, its variant's loss weights."""
+        variant = {}
+        if drafter is not None and drafter.variant == "dflash2":
+            variant = {"selector_weight": drafter.selector_loss_weight}
         return cls(
             loss=train.loss,
             kl_weight=train.kl_weight,
             kl_topk=train.kl_topk,
             weighting=train.loss_weighting,
             dpace_alpha=train.dpace_alpha,
+            **variant,
         )
 
     @property
@@ -83,7 +95,7 @@ class LossOptions:
 
     @property
     def ce_coef(self) -> float:
-        return 1.0 if "ce" in self.loss.split("+") else 0.0
+        return self.ce_weight if "ce" in self.loss.split("+") else 0.0
 
     @property
     def kl_coef(self) -> float:
@@ -169,6 +181,7 @@ class _ChunkSpec:
     num_pred: int
     fused: bool
     options: LossOptions
+    selector_top_k: int = 0
 
 
 @functools.cache
@@ -203,16 +216,19 @@ def chunk_weights(
 class _ChunkedLMHeadLoss(torch.autograd.Function):
     """sum(w * objective(hidden @ W^T)) / denom, with the input gradient computed in forward.
 
-    Also returns, without gradient, each label's tie-aware rank among the logits, its probability
-    and the weight each token got (D-PACE weights are only known here).
+    Also returns, without gradient, each label's tie-aware rank among the logits, its probability,
+    the weight each token got (D-PACE weights are only known here) and, with DFlash2's selector
+    inputs (``selector_gate`` [N, r], ``selector_table`` [V, r]), whether the selector's pick is the
+    label (empty otherwise).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, teacher_hidden, labels, valid, decay_weights, denom, spec):
+    def forward(ctx, hidden, weight, teacher_hidden, labels, valid, decay_weights, denom, spec, gate, table):
         # hidden [N, H]; teacher_hidden [N, H] or None; labels/valid/decay_weights [N]; denom scalar.
         opts, num_pred = spec.options, spec.num_pred
         needs_grad = ctx.needs_input_grad[0]
         grad_hidden = torch.empty_like(hidden) if needs_grad else None
+        selector = SelectorGrads.start(gate, table, needs_grad)
         acc_dtype = torch.promote_types(hidden.dtype, torch.float32)  # fp64 in the golden tests
         loss_sum = torch.zeros((), device=hidden.device, dtype=acc_dtype)
         scale = 1.0 / denom.to(acc_dtype).clamp_min(1e-6)
@@ -232,6 +248,10 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
                 logits, lse, label_logit, labels[sl], w, scale if needs_grad else None,
                 teacher, opts.ce_coef, opts.kl_coef,
             )  # fmt: skip
+            if selector is not None:
+                chunk_loss = chunk_loss + selector.add_chunk(
+                    logits, labels[sl], sl, w, spec, scale, grad_logits
+                )
             loss_sum += chunk_loss
             ranks.append(rank)
             probs_of_label.append(label_prob)
@@ -239,16 +259,21 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
             if grad_logits is not None:
                 grad_hidden[sl] = grad_logits.to(weight.dtype) @ weight
             del logits, grad_logits, teacher
-        ctx.save_for_backward(grad_hidden)
+        ctx.save_for_backward(grad_hidden, *(() if selector is None else selector.grads()))
         rank, label_prob, used_weights = torch.cat(ranks), torch.cat(probs_of_label), torch.cat(used)
-        ctx.mark_non_differentiable(rank, label_prob, used_weights)
-        return loss_sum * scale, rank, label_prob, used_weights
+        correct = hidden.new_zeros(0, dtype=torch.bool) if selector is None else torch.cat(selector.correct)
+        ctx.mark_non_differentiable(rank, label_prob, used_weights, correct)
+        return loss_sum * scale, rank, label_prob, used_weights, correct
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_rank, _grad_prob, _grad_weights):
-        (grad_hidden,) = ctx.saved_tensors
-        grad = None if grad_hidden is None else grad_hidden * grad_loss.to(grad_hidden.dtype)
-        return grad, None, None, None, None, None, None, None
+    def backward(ctx, grad_loss, _grad_rank, _grad_prob, _grad_weights, _grad_correct):
+        grad_hidden, *selector_grads = ctx.saved_tensors
+
+        def scaled(grad):
+            return None if grad is None else grad * grad_loss.to(grad.dtype)
+
+        gate_grad, table_grad = (scaled(g) for g in selector_grads) if selector_grads else (None, None)
+        return scaled(grad_hidden), None, None, None, None, None, None, None, gate_grad, table_grad
 
 
 def chunked_lm_head_loss(
@@ -263,14 +288,24 @@ def chunked_lm_head_loss(
     """The decay-weighted CE core on flat tokens: hidden [N, H], labels/weights [N] -> (loss, rank,
     label probability). For benchmarks of the chunked LM head alone."""
     spec = _ChunkSpec(chunk_tokens, 1, fused, DEFAULT_OPTIONS)
-    loss, rank, label_prob, _ = _ChunkedLMHeadLoss.apply(
-        hidden, weight, None, labels, weights > 0, weights, denom, spec
+    loss, rank, label_prob, _, _ = _ChunkedLMHeadLoss.apply(
+        hidden, weight, None, labels, weights > 0, weights, denom, spec, None, None
     )
     return loss, rank, label_prob
 
 
 def dflash_loss(
-    hidden: Tensor,
+    hidden: Tensor, lm_head_weight: Tensor, labels: Tensor, label_valid: Tensor, keep: Tensor, **kwargs
+):
+    """``draft_loss`` of a DFlash drafter's block outputs hidden[R,A,B,H] (final norm applied):
+    block position 0, the anchor, is never scored; position k is scored against ids[a+k]."""
+    return draft_loss(
+        DraftOutput(hidden=hidden[:, :, 1:]), lm_head_weight, labels, label_valid, keep, **kwargs
+    )
+
+
+def draft_loss(
+    out: DraftOutput,
     lm_head_weight: Tensor,
     labels: Tensor,
     label_valid: Tensor,
@@ -285,23 +320,26 @@ def dflash_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The block loss of ``options`` and its metrics from one student LM-head pass per chunk.
 
-    hidden[R,A,B,H] are the drafter outputs (final norm applied); block position 0 (the anchor) is
-    never scored. labels[R,A,K] are ids[a+k] for k = 1..B-1 (same position, no shift),
-    label_valid[R,A,K] marks in-bounds response labels, keep[R,A] the real anchors. ``denom`` is
-    the sum of ``denominator_weights`` over every rank and micro-batch of the optimizer step, so the
-    loss is normalised globally. ``teacher_hidden[R,A,K,H]`` (``teacher_block_hidden``) is required
-    by a KL loss. ``fused`` runs each chunk's softmax, rank and gradient through compiled kernels
-    (CUDA). Returns the loss and summed statistics (see ``block_metrics``).
+    ``out`` is the drafter's ``forward_train(..., heads=True)``: ``out.hidden[R,A,K,H]`` are the
+    final-norm states of the K scored slots, the k-th (1-based) predicting labels[R,A,K] = ids[a+k]
+    (no shift); DFlash2's selector inputs add its term. label_valid[R,A,K] marks in-bounds response
+    labels, keep[R,A] the real anchors. ``denom`` is the sum of ``denominator_weights`` over every
+    rank and micro-batch of the optimizer step, so the loss is normalised globally.
+    ``teacher_hidden[R,A,K,H]`` (``teacher_block_hidden``) is required by a KL loss. ``fused`` runs
+    each chunk's softmax, rank and gradient through compiled kernels (CUDA). Returns the loss and
+    summed statistics (see ``block_metrics``).
     """
-    num_rows, num_anchors, block_size, hidden_size = hidden.shape
-    num_pred = block_size - 1
+    num_rows, num_anchors, num_pred, hidden_size = out.hidden.shape
     check_loss_inputs(options, teacher_hidden, (num_rows, num_anchors, num_pred, hidden_size), lm_head_weight)
     valid = label_valid & keep[..., None]
     decay = loss_weights(keep, label_valid, gamma) if options.weighting == "decay" else None
     flat_teacher = None if teacher_hidden is None else teacher_hidden.reshape(-1, hidden_size)
-    spec = _ChunkSpec(max(1, chunk_tokens // num_pred) * num_pred, num_pred, fused, options)
-    loss, rank, label_prob, weights = _ChunkedLMHeadLoss.apply(
-        hidden[:, :, 1:].reshape(-1, hidden_size),
+    spec = _ChunkSpec(
+        max(1, chunk_tokens // num_pred) * num_pred, num_pred, fused, options, out.selector_top_k
+    )
+    gate = None if out.selector_gate is None else out.selector_gate.reshape(-1, out.selector_gate.shape[-1])
+    loss, rank, label_prob, weights, correct = _ChunkedLMHeadLoss.apply(
+        out.hidden.reshape(-1, hidden_size),
         lm_head_weight,
         flat_teacher if options.uses_kl else None,
         labels.reshape(-1).clamp_min(0),
@@ -309,9 +347,12 @@ def dflash_loss(
         None if decay is None else decay.reshape(-1),
         denom,
         spec,
+        gate,
+        out.selector_table,
     )
     shape = (num_rows, num_anchors, num_pred)
-    stats = block_metrics(weights.view(shape), valid, rank.view(shape), label_prob.view(shape), keep)
+    served = correct.view(shape) if correct.numel() else None
+    stats = block_metrics(weights.view(shape), valid, rank.view(shape), label_prob.view(shape), keep, served)
     return loss, stats
 
 
@@ -335,15 +376,22 @@ def check_loss_inputs(
 
 
 def block_metrics(
-    weights: Tensor, valid: Tensor, rank: Tensor, label_prob: Tensor, keep: Tensor
+    weights: Tensor,
+    valid: Tensor,
+    rank: Tensor,
+    label_prob: Tensor,
+    keep: Tensor,
+    served_correct: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """Per-position sums (top-1/4/16 hits, label probability, counts) and simulated acceptance.
 
     A top-1 hit is exactly greedy decoding's choice (argmax, ties to the lowest id); top-k counts
     the label among the first k ids in that order. tau per block = 1 + number of leading positions
     whose top-1 prediction is right, the real greedy acceptance length when the labels are the
-    target's greedy continuation. Invalid entries are selected away (``torch.where``), so a NaN
-    there never reaches a sum. All values are sums on the device (no host sync).
+    target's greedy continuation. ``served_correct`` (DFlash2: the selector's teacher-forced pick
+    is the label) replaces the top-1 hit in ``top1`` and tau, and the head's own top-1 becomes
+    ``head_top1``. Invalid entries are selected away (``torch.where``), so a NaN there never reaches
+    a sum. All values are sums on the device (no host sync).
     """
     validf = valid.float()
     zero = torch.zeros((), device=weights.device)
@@ -355,6 +403,10 @@ def block_metrics(
     for k in TOPK:
         stats[f"top{k}"] = ((rank < k) & valid).float().sum((0, 1))
     correct = (rank == 0) & valid
+    if served_correct is not None:
+        stats["head_top1"] = stats["top1"]
+        correct = served_correct & valid
+        stats["top1"] = correct.float().sum((0, 1))
     accepted = correct.long().cumprod(dim=-1).sum(-1)  # [R,A]
     stats["tau_sum"] = ((1 + accepted).float() * keep.float()).sum()
     stats["blocks"] = keep.float().sum()
@@ -381,6 +433,8 @@ def summarize_metrics(total: dict[str, Tensor]) -> dict[str, float | list[float]
     for k in TOPK:
         out[f"top{k}_by_pos"] = [round(float(x), 5) for x in host[f"top{k}"] / valid]
     out["acc_by_pos"] = out.pop("top1_by_pos")
+    if "head_top1" in host:
+        out["head_acc_by_pos"] = [round(float(x), 5) for x in host["head_top1"] / valid]
     out["label_prob_by_pos"] = [round(float(x), 5) for x in host["label_prob"] / valid]
     out["scored_tokens"] = float(host["valid"].sum())
     return out

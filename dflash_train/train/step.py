@@ -29,7 +29,7 @@ from dflash_train.train.loss import (
     add_metrics,
     block_targets,
     denominator_weights,
-    dflash_loss,
+    draft_loss,
     summarize_metrics,
     teacher_block_hidden,
 )
@@ -54,11 +54,13 @@ def prepare_micro_batch(run: Run, batch, epoch: int) -> dict[str, torch.Tensor]:
     else:  # packed rows: anchors budgeted per conversation, labels never past its end
         position_ids = position_ids.to(dev, non_blocking=True)
         anchors, keep = packed_anchors(run, loss_mask, position_ids, batch.token_sample_index.to(dev), epoch)
-    labels, label_valid = block_targets(input_ids, loss_mask, anchors, run.cfg.drafter.block_size)
+    # Labels ids[a+1 .. a+D] of the D scored slots: a round verifies D + 1 tokens.
+    width = run.draft_config.num_verify_tokens
+    labels, label_valid = block_targets(input_ids, loss_mask, anchors, width)
     if position_ids is not None:
-        label_valid = label_valid & same_segment(position_ids, anchors, run.cfg.drafter.block_size)
+        label_valid = label_valid & same_segment(position_ids, anchors, width)
     # What this micro-batch adds to the step's loss denominator (decay weights, or kept blocks).
-    weights = denominator_weights(keep, label_valid, run.gamma, LossOptions.from_train_config(run.cfg.train))
+    weights = denominator_weights(keep, label_valid, run.gamma, loss_options(run))
     return {
         "input_ids": input_ids,
         "loss_mask": loss_mask,
@@ -97,10 +99,15 @@ def target_pass(run: Run, m: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tor
     """The target's features of one micro-batch and, for a KL loss, the teacher's hidden state of
     every block label (the target then runs to full depth; ``ce`` keeps the truncated pass)."""
     packed = {"position_ids": m["position_ids"]} if "position_ids" in m else {}
-    if not LossOptions.from_train_config(run.cfg.train).uses_kl:
+    if not loss_options(run).uses_kl:
         return target_features(run.target, m["input_ids"], **packed), None
     features, final_hidden = target_features(run.target, m["input_ids"], with_final_hidden=True, **packed)
-    return features, teacher_block_hidden(final_hidden, m["anchors"], run.cfg.drafter.block_size)
+    return features, teacher_block_hidden(final_hidden, m["anchors"], run.draft_config.num_verify_tokens)
+
+
+def loss_options(run: Run) -> LossOptions:
+    """The run's objective: ``train.*`` and the drafter variant's loss weights."""
+    return LossOptions.from_train_config(run.cfg.train, run.cfg.drafter)
 
 
 def step_denominator(micro: list[dict[str, torch.Tensor]], group=None) -> torch.Tensor:
@@ -122,7 +129,7 @@ def drafter_forward_backward(
     ``teacher_hidden`` ([R,A,K,H], ``target_pass``) is the KL teacher when ``train.loss`` has kl."""
     cfg = run.cfg
     with timer.phase("drafter"), no_sync_unless_last(run.model, last), compute_precision(run):
-        hidden = run.model(
+        out = run.model(
             features,
             m["input_ids"],
             m["anchors"],
@@ -130,10 +137,12 @@ def drafter_forward_backward(
             run.target.embed_tokens,
             backend=resolve_backend(cfg, run.info),
             sdpa_anchor_chunk=cfg.train.sdpa_anchor_chunk,
+            heads=True,
             **({"position_ids": m["position_ids"]} if "position_ids" in m else {}),
         )
-        loss, stats = dflash_loss(
-            hidden.to(run.target.lm_head.weight.dtype),
+        out.hidden = out.hidden.to(run.target.lm_head.weight.dtype)
+        loss, stats = draft_loss(
+            out,
             run.target.lm_head.weight,
             m["labels"],
             m["label_valid"],
@@ -142,7 +151,7 @@ def drafter_forward_backward(
             denom=denom,
             chunk_tokens=cfg.train.loss_chunk_tokens,
             fused=cfg.train.compile and run.info.device.type == "cuda",
-            options=LossOptions.from_train_config(cfg.train),
+            options=loss_options(run),
             teacher_hidden=teacher_hidden,
         )
         # DDP/FSDP average gradients over ranks; the loss is already a global sum, so undo the mean.

@@ -1,0 +1,113 @@
+"""serve-check with the drafter variants: the export step hands llama.cpp's converter the variant's
+export and starts llama-server with its speculative type and draft length (a stand-in server
+here); with a llama.cpp build and the real target, the engine accepts what the exact eval accepts."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from dflash_train.eval import llama_cpp
+from dflash_train.eval.serve_check import MIN_ACCEPTED_TO_JUDGE, ServeCheckOptions, run_serve_check
+from tests.test_serve_check import (  # noqa: F401 (fake_llama is a fixture)
+    LAYER_IDS,
+    LLAMA,
+    PROMPTS,
+    REAL,
+    REAL_GGUF,
+    fake_llama,
+    fake_options,
+    servers_started,
+)
+
+pytestmark = pytest.mark.usefixtures("one_thread_module")
+
+BLOCK = 4
+# variant -> (architecture, llama-server --spec-type, drafts per round)
+SERVED = {"dflash2": ("DFlash2DraftModel", "draft-dflash", BLOCK - 1)}
+
+
+def variant_export(target_dir, tmp_path, variant: str) -> dict[str, str]:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dflash_train.config import DrafterConfig
+    from dflash_train.models import presets
+    from dflash_train.models.drafter import DFlashDrafter
+    from dflash_train.models.export import save_drafter
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    config = presets.resolve_drafter_config(
+        DrafterConfig(preset="tiny", block_size=BLOCK, variant=variant),
+        AutoConfig.from_pretrained(target_dir),
+        target_layer_ids=LAYER_IDS,
+        mask_token_id=tokenizer.mask_token_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(0)
+    save_drafter(DFlashDrafter(config).eval(), config, tmp_path / "export", dtype="float32")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the quick brown fox"}) + "\n")
+    return {"target": str(target_dir), "export": str(tmp_path / "export"), "prompts": str(prompts)}
+
+
+@pytest.mark.parametrize("variant", sorted(SERVED))
+def test_serve_check_converts_and_serves_the_variant_export(fake_llama, tiny_qwen3_dir, tmp_path, variant):  # noqa: F811
+    architecture, spec_type, drafts = SERVED[variant]
+    export = variant_export(tiny_qwen3_dir, tmp_path, variant)
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["architectures"] == [architecture]
+    result = run_serve_check(fake_options(fake_llama, export, tmp_path))
+    started = servers_started(fake_llama["record"])
+    assert spec_type in started
+    argv = started[spec_type]["argv"]
+    assert argv[argv.index("--spec-draft-n-max") + 1] == str(drafts)
+    convert = json.loads((fake_llama["record"] / "convert-draft-f32.gguf.json").read_text())
+    assert (
+        convert[0] == export["export"]
+        and convert[convert.index("--target-model-dir") + 1] == export["target"]
+    )
+    assert result["block_size"] == drafts + 1  # the round: the last token and the drafts
+    assert 1.0 <= result["eval_tau"] <= drafts + 1
+
+
+@pytest.mark.real
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not (REAL and REAL_GGUF and LLAMA),
+    reason=f"set DFLASH_REAL_TARGET(_GGUF) and {llama_cpp.SERVER_ENV} + {llama_cpp.CONVERT_ENV} (a llama.cpp build)",
+)
+@pytest.mark.parametrize("variant", sorted(SERVED))
+def test_llama_cpp_accepts_what_the_eval_accepts_for_the_variant(tmp_path, variant):
+    """As ``test_serve_check.test_llama_cpp_accepts_what_the_eval_accepts``, with a CPU-trained
+    drafter of ``variant``: the engine's acceptance must not be far below the exact eval's."""
+    from dflash_train.cli import main
+
+    steps = int(os.environ.get("DFLASH_SERVE_CHECK_STEPS", "50"))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in PROMPTS)
+    )
+    regen = ["regen", "--target", REAL, "--data", str(prompts), "--output", str(tmp_path / "regen.jsonl")]
+    assert main([*regen, "--max-new-tokens", "32", "--device", "cpu", "--engine", "transformers"]) == 0
+    overrides = [
+        f"target.path={REAL}", "target.dtype=float32", f"data.paths=[{tmp_path / 'regen.jsonl'}]",
+        f"output_dir={tmp_path / 'run'}", "drafter.num_hidden_layers=1", "drafter.block_size=8",
+        "train.num_anchors=16", "data.seq_buckets=[128]", "data.token_budget=512", f"train.max_steps={steps}",
+        "train.num_epochs=1000", "train.compile=false", "train.attention_backend=sdpa", "train.device=cpu",
+        "train.dtype=float32", "train.lr=3e-3", "train.lr_schedule=constant", "train.warmup_ratio=0.0",
+        f"logging.every_steps={steps}", f"checkpoint.every_steps={steps}",
+    ]  # fmt: skip
+    assert main(["train", f"smollm2-135m-{variant}", *overrides]) == 0
+    result = run_serve_check(
+        ServeCheckOptions(
+            target=REAL_GGUF, target_hf=REAL, drafter=str(tmp_path / "run" / "export"),
+            prompts=[str(prompts)], num_prompts=len(PROMPTS), max_new_tokens=32, ngram_types=[],
+            workdir=str(tmp_path / "serve"),
+        )
+    )  # fmt: skip
+    print(json.dumps({k: v for k, v in result.items() if k != "engine_commands"}, default=str))
+    assert result["eval"]["dflash"]["accepted"] >= MIN_ACCEPTED_TO_JUDGE
+    assert result["engine_lossless"]["draft-dflash"] == f"{len(PROMPTS)}/{len(PROMPTS)}"
+    assert result["engine_far_from_eval"] is False
