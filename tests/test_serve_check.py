@@ -444,7 +444,8 @@ def test_llama_cpp_accepts_what_the_eval_accepts(tmp_path):
 def test_engine_acceptance_far_below_the_eval_is_flagged_once_it_can_be_judged(
     engine_accepted, eval_accepted, far, tmp_path
 ):
-    from dflash_train.eval.serve_check import ServePrompt, compare
+    from dflash_train.eval.serve_check import compare
+    from dflash_train.eval.serve_prompts import ServePrompt
     from dflash_train.eval.speculative import Generation
 
     def completion(accepted, drafted):

@@ -39,13 +39,8 @@ from typing import Any
 import torch
 
 from dflash_train.eval import llama_cpp
-from dflash_train.eval.prompts import (
-    PromptFile,
-    PromptRowError,
-    encode_prompt,
-    prompt_messages,
-    read_jsonl_rows,
-)
+from dflash_train.eval.prompts import PromptFile
+from dflash_train.eval.serve_prompts import ServePrompt, load_serve_prompts
 from dflash_train.eval.summary import ratio, summarize_rounds
 
 NGRAM_TYPES = ("ngram-simple", "ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache")
@@ -106,15 +101,6 @@ class ServeCheckOptions:
         for name in ("num_prompts", "max_new_tokens", "threads", "ctx_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: use >= 1")
-
-
-@dataclass
-class ServePrompt:
-    """One prompt as the engine gets it (chat messages) and as the eval does (token ids)."""
-
-    where: str
-    messages: list[dict[str, str]]
-    ids: list[int]
 
 
 class ServeCheckRecord:
@@ -232,44 +218,6 @@ def target_gguf_file(options: ServeCheckOptions, converter: Path, workdir: Path)
     if not Path(options.target).is_dir():
         return Path(options.target)
     return llama_cpp.convert_to_gguf(converter, options.target, workdir / "target-f32.gguf")
-
-
-def load_serve_prompts(paths: Sequence[str], tokenizer, num_prompts: int) -> list[list[ServePrompt]]:
-    """The first ``num_prompts`` rows of each file, as chat messages and as the eval's token ids.
-
-    A bad row raises with ``file:line`` (no skipping: the two sides must see the same prompts).
-    """
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("serve-check sends chat messages: the target's tokenizer needs a chat template")
-    files = []
-    for path in paths:
-        if not Path(path).is_file():
-            raise ValueError(f"prompts file {path} does not exist: give JSONL files to --prompts")
-        prompts = []
-        for line_number, row, error in read_jsonl_rows(path):
-            where = f"{path}:{line_number}"
-            if error is not None:
-                raise ValueError(f"{where}: bad prompt row ({error[0]}): {error[1]}")
-            try:
-                messages = row_messages(row, where)
-                ids = encode_prompt(tokenizer, row, None, where=where)
-            except PromptRowError as err:
-                raise ValueError(f"{err}. Fix or remove the row.") from None
-            prompts.append(ServePrompt(where, messages, ids))
-            if len(prompts) >= num_prompts:
-                break
-        if not prompts:
-            raise ValueError(f"{path} has no prompts")
-        files.append(prompts)
-    return files
-
-
-def row_messages(row: dict[str, Any], where: str) -> list[dict[str, str]]:
-    """The turns the engine gets: a ``prompt`` string as one user turn, else the chat up to its last
-    user turn (what ``encode_prompt`` renders)."""
-    if isinstance(row.get("prompt"), str):
-        return [{"role": "user", "content": row["prompt"]}]
-    return [{"role": m["role"], "content": m["content"]} for m in prompt_messages(row, where)]
 
 
 def exact_eval(options: ServeCheckOptions, export: Path) -> dict[str, Any]:
