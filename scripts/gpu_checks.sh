@@ -11,13 +11,15 @@
 #   checkpoint  bench checkpoint at the Qwen3.6-27B drafter shape (gather, DCP, DCP async) on $CKPT_DIR
 #   eval        bench eval at the Qwen3.6-27B shape (8 layers); with $SMOLLM2 also the 164 x 512 bar
 #   decode      bench decode (needs $SMOLLM2, a SmolLM2-135M-Instruct directory)
+#   generation  bench generation at the Qwen3.6-27B shape (8 layers, 64 and 256 slots, against the padded
+#               engine); with $SMOLLM2 also 1,024 slots x 512 tokens with the decode-step profile
 #   multi       scripts/gpu_multi_smoke.sh (NCCL smoke runs; a machine with 2+ GPUs)
 # The fla-core (and torchao) wheels in .whl/ are installed first when present.
 set -u
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 CKPT_DIR=${CKPT_DIR:-/tmp/ckpt-bench}
 SMOLLM2=${SMOLLM2:-}
-groups=("$@"); [ ${#groups[@]} -eq 0 ] && groups=(tests train lengths checkpoint eval decode)
+groups=("$@"); [ ${#groups[@]} -eq 0 ] && groups=(tests train lengths checkpoint eval decode generation)
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
@@ -70,9 +72,17 @@ for group in "${groups[@]}"; do
       else
         echo "decode: skipped (set SMOLLM2 to a SmolLM2-135M-Instruct directory)" | tee -a "$OUT/summary.txt"
       fi ;;
+    generation)
+      bench_step generation_27b_8layers 900 generation "${q36[@]}" --num-layers 8 --batch-sizes 64,256 \
+        --num-prompts 512 --max-new-tokens 256 --num-stop-ids 2 --engines padded,slots,slots-flex --profile \
+        --out "$OUT/generation_27b.json"
+      if [ -n "$SMOLLM2" ]; then
+        bench_step generation_smollm2 600 generation --target "$SMOLLM2" --num-prompts 1024 --batch-sizes 1024 \
+          --max-new-tokens 512 --engines slots,slots-flex,padded --profile --out "$OUT/generation_smollm2.json"
+      fi ;;
     multi)
       OUT=$OUT scripts/gpu_multi_smoke.sh "${GPUS:-2}" ;;
     *)
-      echo "unknown group $group (tests train lengths checkpoint eval decode multi)" >&2; exit 2 ;;
+      echo "unknown group $group (tests train lengths checkpoint eval decode generation multi)" >&2; exit 2 ;;
   esac
 done

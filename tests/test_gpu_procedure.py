@@ -43,7 +43,7 @@ def test_every_gpu_step_is_a_bench_command_or_the_gpu_suite(tmp_path):
     others = [c for c in calls if c[:3] != ["-m", "dflash_train.cli", "bench"]]
     assert others == [["-m", "pytest", "-q", "-m", "gpu", "tests"]]
     modes = {args[0] for args in benches}
-    assert modes == {"train", "lengths", "checkpoint", "eval", "decode"}
+    assert modes == {"train", "lengths", "checkpoint", "eval", "decode", "generation"}
     for args in benches:
         parsed = build_parser().parse_args(["bench", *args])
         assert parsed.json is True and parsed.progress is False
