@@ -6,19 +6,22 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch
 
 from dflash_train.eval import llama_cpp
 from dflash_train.eval.serve_check import MIN_ACCEPTED_TO_JUDGE, ServeCheckOptions, run_serve_check
-from tests.test_serve_check import (  # noqa: F401 (fake_llama is a fixture)
+from tests.test_serve_check import (
+    FAKE_CONVERTER,
+    FAKE_HELP,
+    FAKE_SERVER,
     LAYER_IDS,
     LLAMA,
     PROMPTS,
     REAL,
     REAL_GGUF,
-    fake_llama,
     fake_options,
     servers_started,
 )
@@ -27,7 +30,28 @@ pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 BLOCK = 4
 # variant -> (architecture, llama-server --spec-type, drafts per round)
-SERVED = {"dflash2": ("DFlash2DraftModel", "draft-dflash", BLOCK - 1)}
+SERVED = {
+    "dflash2": ("DFlash2DraftModel", "draft-dflash", BLOCK - 1),
+    "dspark": ("Qwen3DSparkModel", "draft-dspark", BLOCK),
+}
+
+
+@pytest.fixture
+def fake_llama(tmp_path, monkeypatch):
+    """``test_serve_check``'s stand-in llama-server and converter, also answering ``draft-dspark``."""
+    record = tmp_path / "record"
+    record.mkdir()
+    server = tmp_path / "llama-server"
+    server.write_text(
+        f"#!{sys.executable}\n"
+        + FAKE_SERVER.replace('"draft-dflash": 4,', '"draft-dflash": 4, "draft-dspark": 4,')
+    )
+    server.chmod(0o755)
+    converter = tmp_path / "convert_hf_to_gguf.py"
+    converter.write_text(FAKE_CONVERTER)
+    monkeypatch.setenv("FAKE_RECORD", str(record))
+    monkeypatch.setenv("FAKE_HELP", FAKE_HELP.replace("draft-dflash|", "draft-dflash|draft-dspark|"))
+    return {"server": str(server), "converter": str(converter), "record": record}
 
 
 def variant_export(target_dir, tmp_path, variant: str) -> dict[str, str]:
@@ -54,7 +78,7 @@ def variant_export(target_dir, tmp_path, variant: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("variant", sorted(SERVED))
-def test_serve_check_converts_and_serves_the_variant_export(fake_llama, tiny_qwen3_dir, tmp_path, variant):  # noqa: F811
+def test_serve_check_converts_and_serves_the_variant_export(fake_llama, tiny_qwen3_dir, tmp_path, variant):
     architecture, spec_type, drafts = SERVED[variant]
     export = variant_export(tiny_qwen3_dir, tmp_path, variant)
     assert json.loads((tmp_path / "export" / "config.json").read_text())["architectures"] == [architecture]

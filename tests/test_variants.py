@@ -17,8 +17,8 @@ from dflash_train.train.trainer import train
 from tests.train_helpers import logged_losses, tiny_config
 from tests.variant_helpers import fit_variant_drafter, variant_drafter
 
-VARIANTS = ["dflash2"]
-ARCHITECTURE = {"dflash2": "DFlash2DraftModel"}
+VARIANTS = ["dflash2", "dspark"]
+ARCHITECTURE = {"dflash2": "DFlash2DraftModel", "dspark": "Qwen3DSparkModel"}
 BLOCK, MAX_NEW = 4, 25
 TEXTS = ["def add(a, b): the quick brown fox", "for i in range(10):", "class Point:", "hi", "print(i * i)"]
 
@@ -45,6 +45,8 @@ def test_variant_trains_exports_and_reloads(task, tmp_path, variant, one_thread)
     if variant == "dflash2":
         assert "head_acc_by_pos" in rows[-1]
         assert drafter.candidate_selector.successor_codebook.abs().sum() > 0  # the selector learned
+    if variant == "dspark":
+        assert 0 <= rows[-1]["confidence_abs_error"] <= 1
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -61,8 +63,14 @@ def test_two_fsdp_ranks_train_every_variant_head(task, tmp_path, variant):
     outcomes = run_two_ranks(task, tmp_path / "run", extra, "train", tmp_path)
     assert [o["result"]["step"] for o in outcomes] == [6, 6]
     drafter, _ = load_drafter(tmp_path / "run" / "export")
-    if variant == "dflash2":
-        assert drafter.candidate_selector.successor_codebook.abs().sum() > 0
+    torch.manual_seed(0)  # train.seed: the drafter's initial weights
+    initial = type(drafter)(drafter.config).state_dict()
+    heads = ("candidate_selector", "markov_head", "confidence_head")
+    for name, tensor in drafter.state_dict().items():
+        if name.startswith(heads):
+            assert (tensor.float() - initial[name]).abs().max() > 1e-3, (
+                name
+            )  # trained, beyond export rounding
 
 
 # ----------------------------------------------------------------------------- exact eval == decoding

@@ -228,7 +228,7 @@ def run_bench(args: BenchOptions) -> dict[str, Any]:
     )
     if args.drafter_only:
         flops["total"] -= flops["target"]
-    elif cfg.train.loss != "ce":
+    elif needs_teacher(cfg):
         flops["total"] += teacher_flops(
             bench_run.target.config, bench_run.draft_config, seq_len, anchors, args.rows
         )
@@ -283,7 +283,7 @@ def build_bench_run(
 
     info = DistInfo(rank=0, world_size=1, local_rank=0, device=device)
     torch.manual_seed(0)
-    uses_kl = cfg.train.loss != "ce"  # a KL teacher needs the whole target, final norm included
+    uses_kl = needs_teacher(cfg)  # a teacher needs the whole target, final norm included
     if target is None:
         target = load_target(
             cfg.target, device, truncate_unused_layers=not uses_kl, compile_regions=cfg.target.compile
@@ -308,6 +308,13 @@ def build_bench_run(
     )
 
 
+def needs_teacher(cfg) -> bool:
+    """A KL loss or DSpark's TV / confidence terms read the target's own distribution."""
+    from dflash_train.train.loss_options import LossOptions
+
+    return LossOptions.from_train_config(cfg.train, cfg.drafter).needs_teacher
+
+
 def teacher_flops(target_config, draft_config, seq_len: int, num_anchors: int, rows: int) -> float:
     """What a KL loss adds to a step: the target layers after max(target_layer_ids) and the
     teacher's LM-head forward over every block token."""
@@ -318,7 +325,7 @@ def teacher_flops(target_config, draft_config, seq_len: int, num_anchors: int, r
     first = max(draft_config.target_layer_ids) + 1
     layers = sum(target_layer_flops(tc, i, seq_len) for i in range(first, tc.num_hidden_layers))
     head = (
-        2.0 * num_anchors * (draft_config.block_size - 1) * draft_config.hidden_size * draft_config.vocab_size
+        2.0 * num_anchors * draft_config.num_draft_tokens * draft_config.hidden_size * draft_config.vocab_size
     )
     return rows * (layers + head)
 

@@ -186,7 +186,10 @@ def serve_and_compare(
         eval_ngram_tau=eval_numbers(eval_side["ngram"], block_size)["tau"],
         eval={"dflash": dflash_eval},
     )
-    runs = engine_runs(options, server, target_gguf, draft_gguf, block_size, prompts, workdir, record)
+    spec_type = export_spec_type(export)
+    runs = engine_runs(
+        options, server, target_gguf, draft_gguf, block_size, prompts, workdir, record, spec_type
+    )
     result = compare(options, block_size, prompts, runs, eval_side)
     result.update(locations)
     record.update(status="complete", **result)
@@ -204,14 +207,24 @@ def exported_drafter(path: str, workdir: Path) -> Path:
 
 
 def export_block_size(export: Path) -> int:
-    """The block size llama.cpp reads: ``dflash_config.block_size``, else top-level ``block_size``."""
+    """The round llama.cpp runs: the block size it reads (``dflash_config.block_size``, else
+    top-level ``block_size``), plus one for a DSpark drafter (every slot drafts: B drafts)."""
     config = json.loads((export / "config.json").read_text())
     block_size = (config.get("dflash_config") or {}).get("block_size", config.get("block_size"))
     if not isinstance(block_size, int) or block_size < 2:
         raise ValueError(
             f"{export}/config.json has no usable block_size ({block_size!r}): re-export the drafter"
         )
-    return block_size
+    return block_size + (export_spec_type(export) == "draft-dspark")
+
+
+def export_spec_type(export: Path) -> str:
+    """llama-server's ``--spec-type`` for the export: ``draft-dspark`` for DSpark, else ``draft-dflash``
+    (DFlash2 runs under it; its selector tensors switch the server to DFlash2's drafting)."""
+    from dflash_train.models.drafter_config import READ_ARCHITECTURES
+
+    names = json.loads((export / "config.json").read_text()).get("architectures") or [""]
+    return "draft-dspark" if READ_ARCHITECTURES.get(names[0]) == "dspark" else "draft-dflash"
 
 
 def target_gguf_file(options: ServeCheckOptions, converter: Path, workdir: Path) -> Path:
@@ -250,13 +263,14 @@ def exact_eval(options: ServeCheckOptions, export: Path) -> dict[str, Any]:
 
 def engine_runs(
     options: ServeCheckOptions, server: Path, target_gguf: Path, draft_gguf: Path, block_size: int,
-    prompts: Sequence[ServePrompt], workdir: Path, record: ServeCheckRecord,
+    prompts: Sequence[ServePrompt], workdir: Path, record: ServeCheckRecord, spec_type: str = "draft-dflash",
 ) -> dict[str, dict[str, Any]]:  # fmt: skip
     """Per engine run (plain, draft-dflash, each n-gram type): its completions, recorded as the run
-    finishes; the plain run also reads the engine's prompt tokens."""
+    finishes; the plain run also reads the engine's prompt tokens. The drafter's run is named
+    draft-dflash whatever ``spec_type`` it passes (``draft-dspark`` for a DSpark export)."""
     common = ["-m", str(target_gguf), "--jinja", "--ctx-size", str(options.ctx_size)]
     common += ["--threads", str(options.threads), "--parallel", "1"]
-    dflash = ["-md", str(draft_gguf), "--spec-type", "draft-dflash"]
+    dflash = ["-md", str(draft_gguf), "--spec-type", spec_type]
     dflash += ["--spec-draft-n-max", str(block_size - 1), "--spec-draft-p-min", "0"]
     configurations = {
         "plain": [],

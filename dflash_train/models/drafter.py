@@ -38,6 +38,7 @@ from torch import Tensor, nn
 
 from dflash_train.models.dflash2 import CandidateSelector, GroupedDynamicConv, dflash2_layer_step
 from dflash_train.models.drafter_config import DFlashDraftConfig
+from dflash_train.models.dspark import ConfidenceHead, MarkovHead
 from dflash_train.models.masks import (
     AttendFn,
     CachedBlockAttention,
@@ -241,6 +242,10 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         if config.variant == "dflash2":
             self.candidate_selector = CandidateSelector(config)
+        if config.variant == "dspark":
+            self.markov_head = MarkovHead(config)
+            if config.enable_confidence_head:
+                self.confidence_head = ConfidenceHead(config)
         self.mask_specs = {
             name: LayerMaskSpec.for_layer(name, config.sliding_window, config.is_causal)
             for name in dict.fromkeys(config.layer_types)
@@ -362,12 +367,21 @@ class DFlashDrafter(nn.Module):
             max=input_ids.shape[1] - 1
         )
         previous = input_ids.gather(1, positions.flatten(1)).view_as(positions)  # [R, A, D]
-        selector = self.candidate_selector
+        if config.variant == "dflash2":
+            selector = self.candidate_selector
+            return DraftOutput(
+                hidden=scored,
+                selector_gate=selector.gate(scored, previous),
+                selector_table=selector.successor_codebook,
+                selector_top_k=selector.top_k,
+            )
+        latent = self.markov_head.markov_w1(previous)
+        confidence = self.confidence_head(scored, latent) if config.enable_confidence_head else None
         return DraftOutput(
             hidden=scored,
-            selector_gate=selector.gate(scored, previous),
-            selector_table=selector.successor_codebook,
-            selector_top_k=selector.top_k,
+            markov_latent=latent,
+            markov_table=self.markov_head.markov_w2.weight,
+            confidence=confidence,
         )
 
     @torch.no_grad()
@@ -394,6 +408,8 @@ class DFlashDrafter(nn.Module):
             selector = self.candidate_selector
             unary, candidates = logits.topk(selector.top_k, dim=-1)
             return selector.walk(candidates, unary, scored, anchor_ids)
+        if self.config.variant == "dspark":
+            return self.markov_head.greedy_chain(logits, anchor_ids)
         return logits.argmax(-1)
 
     # -- inference --------------------------------------------------------------------------------

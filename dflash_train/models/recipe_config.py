@@ -100,6 +100,12 @@ class DrafterConfig:
     def __post_init__(self) -> None:
         check_variant_settings(self)
 
+    @property
+    def num_verify_tokens(self) -> int:
+        """Tokens a round verifies: block_size (the last token and B-1 drafts), or block_size + 1 for
+        DSpark (every slot drafts); ``DFlashDraftConfig.num_verify_tokens`` of the resolved drafter."""
+        return self.block_size + (self.variant == "dspark")
+
     def variant_fields(self) -> dict:
         """The variant's fields of the resolved ``DFlashDraftConfig`` (defaults filled in)."""
         if self.variant == "dflash2":
@@ -125,8 +131,6 @@ DFLASH2_SETTINGS = ("conv_kernel_size", "conv_group_size", "selector_rank", "sel
 
 def check_variant_settings(d: DrafterConfig) -> None:
     """Settings of another variant than ``drafter.variant`` are refused (they would be ignored)."""
-    if d.variant == "dspark":
-        raise NotImplementedError("drafter.variant=dspark is not implemented yet; use dflash or dflash2.")
     foreign = [k for k in DFLASH2_SETTINGS if d.variant != "dflash2" and getattr(d, k)]
     foreign += ["markov_rank"] if d.variant != "dspark" and d.markov_rank else []
     if foreign:

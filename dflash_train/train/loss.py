@@ -30,79 +30,13 @@ from torch import Tensor
 
 from dflash_train.models.drafter import DraftOutput
 from dflash_train.train import loss_terms
+from dflash_train.train.loss_options import DEFAULT_OPTIONS, LossOptions
 from dflash_train.train.loss_terms import dpace_weights
-from dflash_train.train.variant_terms import SelectorGrads
+from dflash_train.train.variant_terms import MarkovGrads, SelectorGrads, confidence_loss, total_variation_term
 
 TOPK = (1, 4, 16)
 # Rows of the per-position statistics tensor returned with the loss.
 STAT_NAMES = ("weight", "valid", "top1", "top4", "top16", "label_prob")
-LOSS_KINDS = ("ce", "kl", "ce+kl")
-WEIGHTINGS = ("decay", "dpace")
-
-
-@dataclass(frozen=True)
-class LossOptions:
-    """Which objective and which position weights the chunked loss computes.
-
-    ``loss``: "ce" (weighted cross-entropy on the data's tokens), "kl" (``kl_weight`` x forward KL
-    from the target's distribution, full vocabulary or its renormalised top ``kl_topk``) or "ce+kl"
-    (their sum). ``weighting``: "decay" (exp(-(k-1)/gamma)) or "dpace" (D-PACE, smoothing
-    ``dpace_alpha``). ``ce_weight`` scales the CE term and ``selector_weight`` weighs DFlash2's
-    selector cross-entropy (``train/variant_terms.py``). Built from ``train.*`` (and the variant's
-    ``drafter.*`` weights) by ``from_train_config``.
-    """
-
-    loss: str = "ce"
-    kl_weight: float = 1.0
-    kl_topk: int = 0
-    weighting: str = "decay"
-    dpace_alpha: float = 0.5
-    # Drafter variants (``drafter.*``): the factor of the CE term, and DFlash2's selector term.
-    ce_weight: float = 1.0
-    selector_weight: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.loss not in LOSS_KINDS or self.weighting not in WEIGHTINGS:
-            raise ValueError(
-                f"loss {self.loss!r} / weighting {self.weighting!r}: use train.loss in {list(LOSS_KINDS)} "
-                f"and train.loss_weighting in {list(WEIGHTINGS)}."
-            )
-        if self.kl_topk < 0 or (self.uses_kl and self.kl_weight <= 0) or not 0 <= self.dpace_alpha <= 1:
-            raise ValueError(
-                f"kl_topk={self.kl_topk}, kl_weight={self.kl_weight}, dpace_alpha={self.dpace_alpha}: "
-                "need train.kl_topk >= 0, train.kl_weight > 0 with a KL loss, train.dpace_alpha in [0, 1]."
-            )
-
-    @classmethod
-    def from_train_config(cls, train, drafter=None) -> LossOptions:
-        """The options of a ``TrainConfig`` (``train.loss``, ``kl_weight``, ``kl_topk``, ...) and, with
-        the recipe's ``DrafterConfig``, its variant's loss weights."""
-        variant = {}
-        if drafter is not None and drafter.variant == "dflash2":
-            variant = {"selector_weight": drafter.selector_loss_weight}
-        return cls(
-            loss=train.loss,
-            kl_weight=train.kl_weight,
-            kl_topk=train.kl_topk,
-            weighting=train.loss_weighting,
-            dpace_alpha=train.dpace_alpha,
-            **variant,
-        )
-
-    @property
-    def uses_kl(self) -> bool:
-        return "kl" in self.loss.split("+")
-
-    @property
-    def ce_coef(self) -> float:
-        return self.ce_weight if "ce" in self.loss.split("+") else 0.0
-
-    @property
-    def kl_coef(self) -> float:
-        return self.kl_weight if self.uses_kl else 0.0
-
-
-DEFAULT_OPTIONS = LossOptions()
 
 
 def lm_head_logits(hidden: Tensor, weight: Tensor) -> Tensor:
@@ -217,33 +151,54 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
     """sum(w * objective(hidden @ W^T)) / denom, with the input gradient computed in forward.
 
     Also returns, without gradient, each label's tie-aware rank among the logits, its probability,
-    the weight each token got (D-PACE weights are only known here) and, with DFlash2's selector
-    inputs (``selector_gate`` [N, r], ``selector_table`` [V, r]), whether the selector's pick is the
-    label (empty otherwise).
+    the weight each token got (D-PACE weights are only known here), with DFlash2's selector inputs
+    (``gate`` [N, r], ``table`` [V, r]) whether the selector's pick is the label, and with a teacher
+    for DSpark's TV term or confidence target the probability ``1 - TV / 2`` that the target accepts
+    the draft (empty tensors otherwise). DSpark's Markov head adds ``latent @ bias_table^T``
+    (latent [N, r], bias_table [V, r]) to the logits before everything else.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, teacher_hidden, labels, valid, decay_weights, denom, spec, gate, table):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        teacher_hidden,
+        labels,
+        valid,
+        decay_weights,
+        denom,
+        spec,
+        gate,
+        table,
+        latent,
+        bias_table,
+    ):
         # hidden [N, H]; teacher_hidden [N, H] or None; labels/valid/decay_weights [N]; denom scalar.
         opts, num_pred = spec.options, spec.num_pred
         needs_grad = ctx.needs_input_grad[0]
         grad_hidden = torch.empty_like(hidden) if needs_grad else None
         selector = SelectorGrads.start(gate, table, needs_grad)
+        markov = MarkovGrads.start(latent, bias_table, needs_grad)
         acc_dtype = torch.promote_types(hidden.dtype, torch.float32)  # fp64 in the golden tests
         loss_sum = torch.zeros((), device=hidden.device, dtype=acc_dtype)
         scale = 1.0 / denom.to(acc_dtype).clamp_min(1e-6)
-        ranks, probs_of_label, used = [], [], []
+        ranks, probs_of_label, used, accepts = [], [], [], []
         for start in range(0, hidden.shape[0], spec.chunk_tokens):
             sl = slice(start, start + spec.chunk_tokens)
             logits = lm_head_logits(hidden[sl], weight)  # [c, V]: the student's one LM-head pass
+            if markov is not None:
+                logits = logits + markov.bias(sl, logits.dtype)
             lse, label_logit, rank = _terms("label_statistics", spec.fused)(logits, labels[sl])
             label_prob = (label_logit - lse).exp()
             w = chunk_weights(label_prob, valid[sl], decay_weights, sl, opts, num_pred)
-            teacher = None
-            if opts.uses_kl:  # the teacher's head pass; its [c, V] logits live only for this chunk
+            teacher, t_logits = None, None
+            if opts.needs_teacher:  # the teacher's head pass; its [c, V] logits live only for this chunk
                 t_logits = teacher_logits(teacher_hidden[sl], weight)
+            if opts.uses_kl:
                 teacher = _terms("teacher_distribution", spec.fused)(t_logits, opts.kl_topk)
-                del t_logits
+                if not opts.needs_accept_rate:
+                    t_logits = None  # KL alone: the teacher's logits are done with
             chunk_loss, grad_logits = _terms("loss_and_gradient", spec.fused)(
                 logits, lse, label_logit, labels[sl], w, scale if needs_grad else None,
                 teacher, opts.ce_coef, opts.kl_coef,
@@ -252,28 +207,34 @@ class _ChunkedLMHeadLoss(torch.autograd.Function):
                 chunk_loss = chunk_loss + selector.add_chunk(
                     logits, labels[sl], sl, w, spec, scale, grad_logits
                 )
+            if opts.needs_accept_rate:
+                tv_loss, accept = total_variation_term(
+                    logits, lse, t_logits, w * opts.tv_weight, scale if needs_grad else None, grad_logits
+                )
+                chunk_loss = chunk_loss + tv_loss
+                accepts.append(accept)
             loss_sum += chunk_loss
             ranks.append(rank)
             probs_of_label.append(label_prob)
             used.append(w)
             if grad_logits is not None:
                 grad_hidden[sl] = grad_logits.to(weight.dtype) @ weight
-            del logits, grad_logits, teacher
-        ctx.save_for_backward(grad_hidden, *(() if selector is None else selector.grads()))
+                if markov is not None:
+                    markov.add_grads(grad_logits, sl)
+            del logits, grad_logits, teacher, t_logits
+        ctx.save_for_backward(grad_hidden, *SelectorGrads.grads_of(selector), *MarkovGrads.grads_of(markov))
         rank, label_prob, used_weights = torch.cat(ranks), torch.cat(probs_of_label), torch.cat(used)
-        correct = hidden.new_zeros(0, dtype=torch.bool) if selector is None else torch.cat(selector.correct)
-        ctx.mark_non_differentiable(rank, label_prob, used_weights, correct)
-        return loss_sum * scale, rank, label_prob, used_weights, correct
+        empty = hidden.new_zeros(0)
+        correct = empty.bool() if selector is None else torch.cat(selector.correct)
+        accept = torch.cat(accepts) if accepts else empty
+        ctx.mark_non_differentiable(rank, label_prob, used_weights, correct, accept)
+        return loss_sum * scale, rank, label_prob, used_weights, correct, accept
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_rank, _grad_prob, _grad_weights, _grad_correct):
-        grad_hidden, *selector_grads = ctx.saved_tensors
-
-        def scaled(grad):
-            return None if grad is None else grad * grad_loss.to(grad.dtype)
-
-        gate_grad, table_grad = (scaled(g) for g in selector_grads) if selector_grads else (None, None)
-        return scaled(grad_hidden), None, None, None, None, None, None, None, gate_grad, table_grad
+    def backward(ctx, grad_loss, *_grads_of_statistics):
+        grads = [None if g is None else g * grad_loss.to(g.dtype) for g in ctx.saved_tensors]
+        grad_hidden, gate, table, latent, bias_table = grads
+        return grad_hidden, None, None, None, None, None, None, None, gate, table, latent, bias_table
 
 
 def chunked_lm_head_loss(
@@ -288,8 +249,8 @@ def chunked_lm_head_loss(
     """The decay-weighted CE core on flat tokens: hidden [N, H], labels/weights [N] -> (loss, rank,
     label probability). For benchmarks of the chunked LM head alone."""
     spec = _ChunkSpec(chunk_tokens, 1, fused, DEFAULT_OPTIONS)
-    loss, rank, label_prob, _, _ = _ChunkedLMHeadLoss.apply(
-        hidden, weight, None, labels, weights > 0, weights, denom, spec, None, None
+    loss, rank, label_prob, _, _, _ = _ChunkedLMHeadLoss.apply(
+        hidden, weight, None, labels, weights > 0, weights, denom, spec, None, None, None, None
     )
     return loss, rank, label_prob
 
@@ -322,10 +283,12 @@ def draft_loss(
 
     ``out`` is the drafter's ``forward_train(..., heads=True)``: ``out.hidden[R,A,K,H]`` are the
     final-norm states of the K scored slots, the k-th (1-based) predicting labels[R,A,K] = ids[a+k]
-    (no shift); DFlash2's selector inputs add its term. label_valid[R,A,K] marks in-bounds response
+    (no shift); DFlash2's selector inputs and DSpark's Markov and confidence heads add their terms
+    (``train/variant_terms.py``). label_valid[R,A,K] marks in-bounds response
     labels, keep[R,A] the real anchors. ``denom`` is the sum of ``denominator_weights`` over every
     rank and micro-batch of the optimizer step, so the loss is normalised globally.
-    ``teacher_hidden[R,A,K,H]`` (``teacher_block_hidden``) is required by a KL loss. ``fused`` runs
+    ``teacher_hidden[R,A,K,H]`` (``teacher_block_hidden``) is required by a KL loss and DSpark's
+    TV / confidence terms. ``fused`` runs
     each chunk's softmax, rank and gradient through compiled kernels (CUDA). Returns the loss and
     summed statistics (see ``block_metrics``).
     """
@@ -337,35 +300,48 @@ def draft_loss(
     spec = _ChunkSpec(
         max(1, chunk_tokens // num_pred) * num_pred, num_pred, fused, options, out.selector_top_k
     )
-    gate = None if out.selector_gate is None else out.selector_gate.reshape(-1, out.selector_gate.shape[-1])
-    loss, rank, label_prob, weights, correct = _ChunkedLMHeadLoss.apply(
+    loss, rank, label_prob, weights, correct, accept = _ChunkedLMHeadLoss.apply(
         out.hidden.reshape(-1, hidden_size),
         lm_head_weight,
-        flat_teacher if options.uses_kl else None,
+        flat_teacher if options.needs_teacher else None,
         labels.reshape(-1).clamp_min(0),
         valid.reshape(-1),
         None if decay is None else decay.reshape(-1),
         denom,
         spec,
-        gate,
+        flat_rows(out.selector_gate),
         out.selector_table,
+        flat_rows(out.markov_latent),
+        out.markov_table,
     )
     shape = (num_rows, num_anchors, num_pred)
     served = correct.view(shape) if correct.numel() else None
     stats = block_metrics(weights.view(shape), valid, rank.view(shape), label_prob.view(shape), keep, served)
+    if out.confidence is not None and options.confidence_weight > 0:
+        confidence, stats["confidence_abs_err"] = confidence_loss(
+            out.confidence, accept.view(shape), weights.view(shape), valid, denom, options.confidence_weight
+        )
+        loss = loss + confidence
     return loss, stats
+
+
+def flat_rows(x: Tensor | None) -> Tensor | None:
+    """[..., r] -> [N, r] (None stays None)."""
+    return None if x is None else x.reshape(-1, x.shape[-1])
 
 
 def check_loss_inputs(
     options: LossOptions, teacher_hidden: Tensor | None, shape: tuple[int, ...], weight: Tensor
 ) -> None:
-    """A KL loss needs the teacher's hidden states of every scored token, and a top-k within V."""
-    if not options.uses_kl:
+    """A KL loss (and DSpark's TV / confidence terms) need the teacher's hidden states of every scored
+    token, and a top-k within V."""
+    if not options.needs_teacher:
         return
     if teacher_hidden is None or tuple(teacher_hidden.shape) != shape:
         got = None if teacher_hidden is None else tuple(teacher_hidden.shape)
         raise ValueError(
-            f"train.loss={options.loss!r} needs teacher hidden states of shape {shape} (teacher_block_hidden "
+            f"train.loss={options.loss!r} (tv_weight={options.tv_weight}, confidence_weight="
+            f"{options.confidence_weight}) needs teacher hidden states of shape {shape} (teacher_block_hidden "
             f"of the target's final-norm output), got {got}."
         )
     if options.kl_topk > weight.shape[0]:
@@ -435,6 +411,8 @@ def summarize_metrics(total: dict[str, Tensor]) -> dict[str, float | list[float]
     out["acc_by_pos"] = out.pop("top1_by_pos")
     if "head_top1" in host:
         out["head_acc_by_pos"] = [round(float(x), 5) for x in host["head_top1"] / valid]
+    if "confidence_abs_err" in host:
+        out["confidence_abs_error"] = float(host["confidence_abs_err"] / valid.sum())
     out["label_prob_by_pos"] = [round(float(x), 5) for x in host["label_prob"] / valid]
     out["scored_tokens"] = float(host["valid"].sum())
     return out

@@ -55,10 +55,12 @@ def prepare_micro_batch(run: Run, batch, epoch: int) -> dict[str, torch.Tensor]:
         position_ids = position_ids.to(dev, non_blocking=True)
         anchors, keep = packed_anchors(run, loss_mask, position_ids, batch.token_sample_index.to(dev), epoch)
     # Labels ids[a+1 .. a+D] of the D scored slots: a round verifies D + 1 tokens.
-    width = run.draft_config.num_verify_tokens
+    width = run.cfg.drafter.num_verify_tokens
     labels, label_valid = block_targets(input_ids, loss_mask, anchors, width)
     if position_ids is not None:
         label_valid = label_valid & same_segment(position_ids, anchors, width)
+    if run.cfg.drafter.variant == "dspark":  # DeepSpec scores a block's contiguous valid prefix only
+        label_valid = label_valid.long().cumprod(-1).bool()
     # What this micro-batch adds to the step's loss denominator (decay weights, or kept blocks).
     weights = denominator_weights(keep, label_valid, run.gamma, loss_options(run))
     return {
@@ -96,13 +98,14 @@ def target_features(target, input_ids: torch.Tensor, **kwargs: Any):
 
 
 def target_pass(run: Run, m: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The target's features of one micro-batch and, for a KL loss, the teacher's hidden state of
-    every block label (the target then runs to full depth; ``ce`` keeps the truncated pass)."""
+    """The target's features of one micro-batch and, for a KL loss (or DSpark's TV / confidence
+    terms), the teacher's hidden state of every block label (the target then runs to full depth;
+    ``ce`` keeps the truncated pass)."""
     packed = {"position_ids": m["position_ids"]} if "position_ids" in m else {}
-    if not loss_options(run).uses_kl:
+    if not loss_options(run).needs_teacher:
         return target_features(run.target, m["input_ids"], **packed), None
     features, final_hidden = target_features(run.target, m["input_ids"], with_final_hidden=True, **packed)
-    return features, teacher_block_hidden(final_hidden, m["anchors"], run.draft_config.num_verify_tokens)
+    return features, teacher_block_hidden(final_hidden, m["anchors"], run.cfg.drafter.num_verify_tokens)
 
 
 def loss_options(run: Run) -> LossOptions:

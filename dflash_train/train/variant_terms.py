@@ -1,6 +1,7 @@
 """Per-chunk loss terms of the drafter variants, computed from the chunk's one LM-head pass.
 
-Shapes (legend): c tokens of one chunk, V vocab, K selector candidates, r selector rank.
+Shapes (legend): c tokens of one chunk, N scored tokens, V vocab, K selector candidates, r rank
+(the selector's or the Markov head's).
 
 DFlash2's selector (``models/dflash2.py``) is trained with a K-way cross-entropy over the parallel
 head's top-K candidates of each position, scored against the gold predecessor, with the gold token
@@ -17,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -109,7 +111,91 @@ class SelectorGrads:
             self.grad_table += term.grad_table
         return term.loss_sum
 
-    def grads(self) -> tuple[Tensor | None, Tensor | None]:
-        if self.grad_table is None:
+    @staticmethod
+    def grads_of(selector: SelectorGrads | None) -> tuple[Tensor | None, Tensor | None]:
+        """The gradients of the gate and of the codebook (None without a selector or a gradient)."""
+        if selector is None or selector.grad_table is None:
             return None, None
-        return self.grad_gate, self.grad_table.to(self.table.dtype)
+        return selector.grad_gate, selector.grad_table.to(selector.table.dtype)
+
+
+# ----------------------------------------------------------------------------- DSpark
+
+
+class MarkovGrads:
+    """DSpark's Markov bias ``latent @ table^T`` (latent [N, r] = ``markov_w1[gold previous]``, table
+    [V, r] = ``markov_w2.weight``) added to each chunk's logits, and, with a gradient, the gradients of
+    latent and table from the chunk's logits gradient (the bias enters the logits as a sum)."""
+
+    def __init__(self, latent: Tensor, table: Tensor, needs_grad: bool):
+        self.latent, self.table = latent, table
+        accumulate = torch.promote_types(table.dtype, torch.float32)
+        self.grad_latent = torch.zeros_like(latent) if needs_grad else None
+        self.grad_table = (
+            torch.zeros(table.shape, device=table.device, dtype=accumulate) if needs_grad else None
+        )
+
+    @classmethod
+    def start(cls, latent: Tensor | None, table: Tensor | None, needs_grad: bool) -> MarkovGrads | None:
+        return None if latent is None else cls(latent, table, needs_grad)
+
+    def bias(self, sl: slice, dtype: torch.dtype) -> Tensor:
+        """The bias [c, V] of tokens ``sl``: a rank-r matmul next to the LM head's H x V."""
+        return (self.latent[sl] @ self.table.t()).to(dtype)
+
+    def add_grads(self, grad_logits: Tensor, sl: slice) -> None:
+        grad = grad_logits.to(self.table.dtype)
+        self.grad_latent[sl] = grad @ self.table
+        self.grad_table += (grad.t() @ self.latent[sl]).to(self.grad_table.dtype)
+
+    @staticmethod
+    def grads_of(markov: MarkovGrads | None) -> tuple[Tensor | None, Tensor | None]:
+        if markov is None or markov.grad_table is None:
+            return None, None
+        return markov.grad_latent, markov.grad_table.to(markov.table.dtype)
+
+
+def total_variation_term(
+    logits: Tensor,
+    lse: Tensor,
+    teacher_logits: Tensor,
+    weights: Tensor,
+    grad_scale: Tensor | None,
+    grad_logits: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    """DSpark's L1 term: ``sum_t w * |p_draft - p_target|_1`` over the chunk, and the acceptance
+    probability ``clamp(1 - |p_draft - p_target|_1 / 2, 0, 1)`` [c] of speculative sampling (the
+    confidence head's target; DeepSpec's ``accept_rate``). The term's logits gradient
+    ``w * scale * p * (s - <p, s>)`` with ``s = sign(p - q)`` is added into ``grad_logits`` in place.
+    Weight-0 tokens are selected away (a non-finite row there stays out of the loss and gradient)."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    probs = (logits.to(dtype) - lse[:, None]).exp()
+    teacher = torch.softmax(teacher_logits.to(dtype), dim=-1)
+    diff = probs - teacher
+    tv = diff.abs().sum(-1)
+    accept = (1.0 - 0.5 * tv).clamp(0.0, 1.0)
+    live = weights > 0
+    zero = torch.zeros((), device=logits.device, dtype=dtype)
+    loss_sum = torch.where(live, tv * weights.to(dtype), zero).sum()
+    if grad_logits is not None and grad_scale is not None:
+        sign = diff.sign()
+        grad = probs * (sign - (probs * sign).sum(-1, keepdim=True))
+        row_scale = torch.where(live, weights.to(dtype) * grad_scale, zero)
+        grad_logits += torch.where(live[:, None], grad * row_scale[:, None], zero).to(grad_logits.dtype)
+    return loss_sum, accept.detach()
+
+
+def confidence_loss(
+    confidence: Tensor, accept: Tensor, weights: Tensor, valid: Tensor, denom: Tensor, factor: float
+) -> tuple[Tensor, Tensor]:
+    """DSpark's confidence head: ``factor * sum(w * BCE(confidence, accept)) / denom`` over the valid
+    slots, with the chunks' detached acceptance probabilities as targets (DeepSpec weighs it with
+    the same position weights as the token loss), and the summed |sigmoid(confidence) - accept|."""
+    logits = confidence.float()
+    target = accept.to(logits.dtype)
+    per_slot = F.binary_cross_entropy_with_logits(logits, target, reduction="none")
+    zero = torch.zeros((), device=logits.device, dtype=logits.dtype)
+    scale = 1.0 / denom.to(logits.dtype).clamp_min(1e-6)
+    loss = factor * torch.where(valid, per_slot * weights.to(logits.dtype), zero).sum() * scale
+    error = torch.where(valid, (logits.detach().sigmoid() - target).abs(), zero).sum()
+    return loss, error
