@@ -309,6 +309,10 @@ def test_export_roundtrip_keeps_drafts_and_writes_the_dflash2_layout(batch, tmp_
         "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16,
     }  # fmt: skip
     assert raw["is_causal"] is True
+    notes = (out / "SERVING.md").read_text()
+    assert (
+        f"--spec-type draft-dflash --spec-draft-n-max {BLOCK - 1}" in notes and '"method": "dflash"' in notes
+    )
     loaded, config = load_drafter(out)
     assert config == drafter.config
     names = set(loaded.state_dict())

@@ -263,6 +263,7 @@ def test_serving_flags_draft_every_slot(tmp_path):
     assert f"--speculative-num-draft-tokens {BLOCK + 1}" in flags["sglang"]
     assert '"method": "dspark"' in flags["vllm"] and f'"num_speculative_tokens": {BLOCK}' in flags["vllm"]
     assert flags["vllm"].startswith("VLLM_USE_V2_MODEL_RUNNER=1 ")
+    assert f"--spec-type draft-dspark --spec-draft-n-max {BLOCK}" in flags["llama_cpp"]
 
 
 def test_qwen36_27b_dspark_serving_layout():

@@ -31,7 +31,8 @@ SERVING_NOTES_NAME = "SERVING.md"
 def serving_flags(
     config: DFlashDraftConfig, export_dir: str | Path, target: str = "<target>"
 ) -> dict[str, str]:
-    """The launch commands of SGLang and vLLM for this export: ``{"sglang": ..., "vllm": ...}``."""
+    """The launch commands of SGLang, vLLM and llama.cpp for this export: ``{"sglang": ..., "vllm":
+    ..., "llama_cpp": ...}`` (llama.cpp: its converter, then llama-server; docs/training.md)."""
     draft = str(Path(export_dir).resolve())
     method = "dspark" if config.variant == "dspark" else "dflash"
     vllm_config = json.dumps(
@@ -45,6 +46,11 @@ def serving_flags(
             f"--speculative-num-draft-tokens {config.num_verify_tokens}"
         ),
         "vllm": f"{vllm_env}vllm serve {target} --speculative-config '{vllm_config}'",
+        "llama_cpp": (
+            f"python convert_hf_to_gguf.py {draft} --target-model-dir {target} --outtype f32 --outfile draft.gguf"
+            f" && llama-server -m TARGET.gguf -md draft.gguf --spec-type draft-{method} "
+            f"--spec-draft-n-max {config.num_draft_tokens} --jinja"
+        ),
     }
 
 
@@ -83,7 +89,7 @@ def serving_warnings(config: DFlashDraftConfig) -> list[str]:
 
 
 def serving_notes(config: DFlashDraftConfig, export_dir: str | Path, target: str = "<target>") -> str:
-    """The text of ``SERVING.md``: block length, both launch commands and the applicable warnings."""
+    """The text of ``SERVING.md``: block length, the engines' launch commands and the applicable warnings."""
     flags = serving_flags(config, export_dir, target)
     block, drafts, verify = config.block_size, config.num_draft_tokens, config.num_verify_tokens
     name = {"dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark"}[config.variant]
@@ -101,6 +107,10 @@ def serving_notes(config: DFlashDraftConfig, export_dir: str | Path, target: str
         f"vLLM (`num_speculative_tokens: {drafts}`):",
         "",
         f"    {flags['vllm']}",
+        "",
+        f"llama.cpp (`--spec-draft-n-max {drafts}`; the converter needs the target's HF directory):",
+        "",
+        f"    {flags['llama_cpp']}",
     ]
     warnings = serving_warnings(config)
     if warnings:
