@@ -23,6 +23,7 @@ from dflash_train.train.loss import (
     teacher_block_hidden,
 )
 from dflash_train.train.loss_options import LossOptions
+from tests.variant_helpers import golden_block_batch
 
 VOCAB, MASK_ID, BLOCK = 320, 300, 4
 R, L = 2, 40
@@ -48,14 +49,8 @@ def make_drafter(seed: int = 0, **overrides) -> DFlashDrafter:
 
 @pytest.fixture(scope="module")
 def batch():
-    gen = torch.Generator().manual_seed(1)
-    features = torch.randn(R, L, 2 * 64, generator=gen)
-    ids = torch.randint(0, MASK_ID, (R, L), generator=gen)
-    anchors = torch.tensor([[1, 5, 6, 13, 22, 30, 35, 36], [0, 2, 9, 17, 18, 26, 33, 38]])
-    embed = torch.nn.Embedding(VOCAB, 64)
-    torch.nn.init.normal_(embed.weight, generator=gen)
-    lm_head = torch.nn.Linear(64, VOCAB, bias=False)
-    torch.nn.init.normal_(lm_head.weight, std=0.5, generator=gen)
+    anchors = [[1, 5, 6, 13, 22, 30, 35, 36], [0, 2, 9, 17, 18, 26, 33, 38]]
+    features, ids, anchors, embed, lm_head, gen = golden_block_batch(anchors, R, L, VOCAB, MASK_ID)
     final_hidden = torch.randn(R, L, 64, generator=gen)
     return features, ids, anchors, embed, lm_head, final_hidden
 

@@ -56,3 +56,19 @@ def fit_variant_drafter(
         loss.backward()
         optimizer.step()
     return drafter.eval()
+
+
+def golden_block_batch(
+    anchors: list[list[int]], rows: int = 2, length: int = 40, vocab: int = 320, mask_id: int = 300
+):
+    """The variants' golden-test batch, drawn in a fixed order from one seeded generator: features
+    [R, L, 2 x 64], ids [R, L] below the mask id, anchors [R, A], a target embedding and LM head
+    (and the generator, for a test that draws more from the same stream)."""
+    gen = torch.Generator().manual_seed(1)
+    features = torch.randn(rows, length, 2 * 64, generator=gen)
+    ids = torch.randint(0, mask_id, (rows, length), generator=gen)
+    embed = torch.nn.Embedding(vocab, 64)
+    torch.nn.init.normal_(embed.weight, generator=gen)
+    lm_head = torch.nn.Linear(64, vocab, bias=False)
+    torch.nn.init.normal_(lm_head.weight, std=0.5, generator=gen)
+    return features, ids, torch.tensor(anchors), embed, lm_head, gen
