@@ -400,24 +400,8 @@ def test_llama_cpp_accepts_what_the_eval_accepts(tmp_path):
     eval. An engine near 0 where the eval is not means the export and llama.cpp disagree on a
     convention (layer ids, norms, mask token). The engine's target is ``DFLASH_REAL_TARGET_GGUF``,
     the GGUF the HF directory was dequantized from."""
-    from dflash_train.cli import main
 
-    steps = int(os.environ.get("DFLASH_SERVE_CHECK_STEPS", "50"))
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(
-        "".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in PROMPTS)
-    )
-    regen = ["regen", "--target", REAL, "--data", str(prompts), "--output", str(tmp_path / "regen.jsonl")]
-    assert main([*regen, "--max-new-tokens", "32", "--device", "cpu", "--engine", "transformers"]) == 0
-    overrides = [
-        f"target.path={REAL}", "target.dtype=float32", f"data.paths=[{tmp_path / 'regen.jsonl'}]",
-        f"output_dir={tmp_path / 'run'}", "drafter.num_hidden_layers=1", "drafter.block_size=8",
-        "train.num_anchors=16", "data.seq_buckets=[128]", "data.token_budget=512", f"train.max_steps={steps}",
-        "train.num_epochs=1000", "train.compile=false", "train.attention_backend=sdpa", "train.device=cpu",
-        "train.dtype=float32", "train.lr=3e-3", "train.lr_schedule=constant", "train.warmup_ratio=0.0",
-        f"logging.every_steps={steps}", f"checkpoint.every_steps={steps}",
-    ]  # fmt: skip
-    assert main(["train", "smollm2-135m", *overrides]) == 0
+    prompts, steps = train_on_own_replies(tmp_path, "smollm2-135m")
     result = run_serve_check(
         ServeCheckOptions(
             target=REAL_GGUF, target_hf=REAL, drafter=str(tmp_path / "run" / "export"),
@@ -472,3 +456,27 @@ def test_engine_acceptance_far_below_the_eval_is_flagged_once_it_can_be_judged(
     assert result["engine_far_from_eval"] is far
     assert result["eval"]["dflash"]["accepted"] == eval_accepted
     assert result["prompt_tokens_equal"] == "1/1" and result["engine_greedy_equals_eval"] == "1/1"
+
+
+def train_on_own_replies(tmp_path, recipe: str):
+    """Regenerate PROMPTS with the real target and train ``recipe`` a few steps on the replies (CPU,
+    fp32); returns the prompt file and the steps. The export is ``tmp_path / "run" / "export"``."""
+    from dflash_train.cli import main
+
+    steps = int(os.environ.get("DFLASH_SERVE_CHECK_STEPS", "50"))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in PROMPTS)
+    )
+    regen = ["regen", "--target", REAL, "--data", str(prompts), "--output", str(tmp_path / "regen.jsonl")]
+    assert main([*regen, "--max-new-tokens", "32", "--device", "cpu", "--engine", "transformers"]) == 0
+    overrides = [
+        f"target.path={REAL}", "target.dtype=float32", f"data.paths=[{tmp_path / 'regen.jsonl'}]",
+        f"output_dir={tmp_path / 'run'}", "drafter.num_hidden_layers=1", "drafter.block_size=8",
+        "train.num_anchors=16", "data.seq_buckets=[128]", "data.token_budget=512", f"train.max_steps={steps}",
+        "train.num_epochs=1000", "train.compile=false", "train.attention_backend=sdpa", "train.device=cpu",
+        "train.dtype=float32", "train.lr=3e-3", "train.lr_schedule=constant", "train.warmup_ratio=0.0",
+        f"logging.every_steps={steps}", f"checkpoint.every_steps={steps}",
+    ]  # fmt: skip
+    assert main(["train", recipe, *overrides]) == 0
+    return prompts, steps

@@ -5,7 +5,6 @@ here); with a llama.cpp build and the real target, the engine accepts what the e
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import pytest
@@ -24,6 +23,7 @@ from tests.test_serve_check import (
     REAL_GGUF,
     fake_options,
     servers_started,
+    train_on_own_replies,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")
@@ -106,24 +106,8 @@ def test_serve_check_converts_and_serves_the_variant_export(fake_llama, tiny_qwe
 def test_llama_cpp_accepts_what_the_eval_accepts_for_the_variant(tmp_path, variant):
     """As ``test_serve_check.test_llama_cpp_accepts_what_the_eval_accepts``, with a CPU-trained
     drafter of ``variant``: the engine's acceptance must not be far below the exact eval's."""
-    from dflash_train.cli import main
 
-    steps = int(os.environ.get("DFLASH_SERVE_CHECK_STEPS", "50"))
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(
-        "".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in PROMPTS)
-    )
-    regen = ["regen", "--target", REAL, "--data", str(prompts), "--output", str(tmp_path / "regen.jsonl")]
-    assert main([*regen, "--max-new-tokens", "32", "--device", "cpu", "--engine", "transformers"]) == 0
-    overrides = [
-        f"target.path={REAL}", "target.dtype=float32", f"data.paths=[{tmp_path / 'regen.jsonl'}]",
-        f"output_dir={tmp_path / 'run'}", "drafter.num_hidden_layers=1", "drafter.block_size=8",
-        "train.num_anchors=16", "data.seq_buckets=[128]", "data.token_budget=512", f"train.max_steps={steps}",
-        "train.num_epochs=1000", "train.compile=false", "train.attention_backend=sdpa", "train.device=cpu",
-        "train.dtype=float32", "train.lr=3e-3", "train.lr_schedule=constant", "train.warmup_ratio=0.0",
-        f"logging.every_steps={steps}", f"checkpoint.every_steps={steps}",
-    ]  # fmt: skip
-    assert main(["train", f"smollm2-135m-{variant}", *overrides]) == 0
+    prompts, _ = train_on_own_replies(tmp_path, f"smollm2-135m-{variant}")
     result = run_serve_check(
         ServeCheckOptions(
             target=REAL_GGUF, target_hf=REAL, drafter=str(tmp_path / "run" / "export"),
