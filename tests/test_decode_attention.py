@@ -136,13 +136,6 @@ def test_a_decode_step_copies_a_small_fraction_of_the_cache(monkeypatch):
     assert counted and max(counted) < 0.05, counted
 
 
-class StandInGraph:
-    """Records, at capture, the tensors a step reads that it did not allocate (their addresses)."""
-
-    def __init__(self):
-        self.read: set[tuple] = set()
-
-
 class RecordReads(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -162,29 +155,46 @@ class RecordReads(TorchDispatchMode):
         return out
 
 
-def test_captured_graphs_read_only_buffers_that_outlive_the_call(monkeypatch):
+class ReadRecordingRuntime:
+    """A stand-in graph runtime: a capture runs the step once and records the tensors it read that
+    it did not allocate (their addresses); a replay runs it again and notes whether it read the same."""
+
+    def __init__(self):
+        self.replays: list[bool] = []
+
+    def new_pool(self):
+        return object()
+
+    def new_stream(self):
+        return object()
+
+    def run_on(self, stream, fn):
+        fn()
+
+    def capture(self, fn, pool, stream):
+        with RecordReads() as recorder:
+            fn()
+        return ReadRecordingGraph(self, fn, recorder.read)
+
+
+class ReadRecordingGraph:
+    def __init__(self, runtime, fn, read):
+        self.runtime, self.fn, self.read = runtime, fn, read
+
+    def replay(self):
+        with RecordReads() as recorder:
+            self.fn()
+        self.runtime.replays.append(recorder.read == self.read)
+
+
+def test_captured_graphs_read_only_buffers_that_outlive_the_call():
     model = sharpen(build_tiny_target("hybrid", vocab_size=64, seed=1))
     prompts = mixed_prompts(64, num_rows=5, seed=1)
-    engine = SlotEngine(model, num_slots=2, use_cuda_graphs=True)
-    replays = []
-
-    def capture(spec):
-        graph = StandInGraph()
-        with RecordReads() as recorder:
-            engine.decode(spec)
-        graph.read = recorder.read
-        return graph
-
-    def replay(graph, spec):
-        with RecordReads() as recorder:
-            engine.decode(spec)
-        replays.append(recorder.read == graph.read)
-
-    monkeypatch.setattr(engine, "warm_up", engine.decode)
-    monkeypatch.setattr(engine, "capture", capture)
-    monkeypatch.setattr(engine, "replay", replay)
+    runtime = ReadRecordingRuntime()
+    engine = SlotEngine(model, num_slots=2, use_cuda_graphs=True, graph_runtime=runtime)
     for _ in range(2):  # the second call replays the first call's graphs
         generate(engine, prompts, SAMPLED, stop_ids=frozenset({7, 9}))
+    replays = runtime.replays
     assert replays and all(replays), f"{replays.count(False)} of {len(replays)} replays read other tensors"
 
 

@@ -240,3 +240,70 @@ def test_synth_cli_with_a_task_file(chatty_dir, tmp_path, capsys):
         "kept.jsonl",
         "seeded.jsonl",
     ]
+
+
+def test_heldout_files_are_created_by_their_first_row(chatty_dir, tmp_path, monkeypatch):
+    """A task whose samples all fail (the two-turn chat task on a target that writes no chat turns)
+    gets no held-out file, and a run that dies before its first batch leaves no empty files."""
+    real = Synthesizer.add_prompts
+
+    def add_prompts(self, live, conversations, problems, turn):
+        real(self, live, conversations, problems, turn)
+        problems.update({s: "empty_or_short" for s in live if self.tasks[s[0]].name == "seeded"})
+
+    monkeypatch.setattr(Synthesizer, "add_prompts", add_prompts)
+    out = tmp_path / "p.jsonl"
+    opts = options(chatty_dir, out, task_file=write_tasks(tmp_path), heldout_per_task=1, max_samples=40)
+    result = run_synth(opts)
+    assert set(result["heldout_files"]) == {"explain", "kept"}
+    assert sorted(p.name for p in (tmp_path / "p.heldout").iterdir()) == ["explain.jsonl", "kept.jsonl"]
+
+    def crash(self, samples):
+        raise RuntimeError("the generator died")
+
+    monkeypatch.setattr(Synthesizer, "draw", crash)
+    with pytest.raises(RuntimeError, match="died"):
+        run_synth(
+            options(chatty_dir, tmp_path / "q.jsonl", task_file=write_tasks(tmp_path), heldout_per_task=1)
+        )
+    assert not (tmp_path / "q.heldout").exists() and not (tmp_path / "q.jsonl").exists()
+
+
+def test_a_kill_between_a_batchs_rows_and_its_state_resumes(chatty_dir, tmp_path, monkeypatch):
+    """Killed after the first batch's rows are durable but before the state counts them: the rerun
+    cuts those rows, redraws them and ends with the uninterrupted run's rows."""
+    from dflash_train.data import synth as synth_module
+
+    tasks = write_tasks(tmp_path)
+    whole = run_synth(options(chatty_dir, tmp_path / "a.jsonl", task_file=tasks, heldout_per_task=1))
+    real_save, saves = synth_module.save_state, []
+
+    def killed_save(path, state):
+        saves.append(path)
+        if any(p["rows"] or p["heldout_rows"] for p in state["tasks"].values()):
+            raise KeyboardInterrupt  # the process dies before the state that counts the rows
+        real_save(path, state)
+
+    monkeypatch.setattr(synth_module, "save_state", killed_save)
+    part = tmp_path / "b.jsonl"
+    with pytest.raises(KeyboardInterrupt):
+        run_synth(options(chatty_dir, part, task_file=tasks, heldout_per_task=1, batch_size=2))
+    assert any(read_rows(p) for p in (tmp_path / "b.heldout").iterdir())  # rows written, not counted
+    monkeypatch.setattr(synth_module, "save_state", real_save)
+    resumed = run_synth(options(chatty_dir, part, task_file=tasks, heldout_per_task=1, batch_size=2))
+    assert resumed["tasks"] == whole["tasks"]
+    assert by_task(read_rows(part)) == by_task(read_rows(tmp_path / "a.jsonl"))
+    for name, path in resumed["heldout_files"].items():
+        assert read_rows(path) == read_rows(whole["heldout_files"][name])
+
+
+@pytest.mark.gpu
+def test_two_turn_synth_runs_on_captured_graphs(chatty_dir, tmp_path):
+    """The call sequence that crashed on the GPU: prompts (16 tokens), then replies with longer prompts,
+    more new tokens (24) and other stop ids, then the second prompts, phase after phase."""
+    tasks = write_tasks(tmp_path, "tasks:\n  - name: single\n  - name: chat\n    turns: 2\n", "two.yaml")
+    opts = options(chatty_dir, tmp_path / "p.jsonl", task_file=tasks, heldout_per_task=2, num_rows=12)
+    overrides = {"device": "cuda", "max_reply_tokens": 24, "max_samples": 400}
+    result = run_synth(SynthOptions(**{**opts.__dict__, **overrides}))
+    assert result["rows"] > 0 and "single" in result["heldout_files"]
+    assert result["tasks"]["chat"]["samples_drawn"] > 0

@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import sys
 import time
-from contextlib import ExitStack
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -287,15 +286,15 @@ def run_synth(opts: SynthOptions) -> dict[str, Any]:
     quotas = apportion([t.share for t in tasks], opts.num_rows)
     start, t0 = [dict(p) for p in progress], time.perf_counter()
     output.parent.mkdir(parents=True, exist_ok=True)
-    with open(output, "a", encoding="utf-8") as out, ExitStack() as stack:
-        files = {None: out} | {
-            n: stack.enter_context(open(p, "a", encoding="utf-8")) for n, p in heldout.items()
-        }
-        bar = ProgressBar(opts.num_rows, progress, synth.generator)
-        # Every task's held-out rows first: each training row is then checked against all of them.
-        synth_phase(synth, opts, state, files, bar, "heldout", [opts.heldout_per_task] * len(tasks), quotas)
-        synth_phase(synth, opts, state, files, bar, "train", quotas, quotas)
-        bar.close()
+    # Counted before any row is written: a kill between a batch's rows and its state then leaves
+    # rows that the rerun cuts and redraws, never rows without a state file.
+    save_state(state_path, state)
+    files = {None: output} | heldout  # each file is created by its first row
+    bar = ProgressBar(opts.num_rows, progress, synth.generator)
+    # Every task's held-out rows first: each training row is then checked against all of them.
+    synth_phase(synth, opts, state, files, bar, "heldout", [opts.heldout_per_task] * len(tasks), quotas)
+    synth_phase(synth, opts, state, files, bar, "train", quotas, quotas)
+    bar.close()
     return summary(opts, tasks, progress, quotas, start, heldout, time.perf_counter() - t0)
 
 
@@ -310,8 +309,8 @@ def synth_phase(synth, opts, state, files, bar, phase: str, targets: list[int], 
         synth.tasks, progress, [n - p[key] for n, p in zip(targets, progress)], budgets, size
     ):
         lines = write_batch(synth, opts, batch, progress, targets, phase)
-        for name, handle in files.items():
-            append_rows(handle, lines.get(name, []))
+        for name, path in files.items():
+            append_rows(path, lines.get(name, []))
         for f, p in zip(synth.filters, progress):
             p["filtered"] = f.summary()
         save_state(Path(str(opts.output) + ".state.json"), state)
@@ -422,7 +421,8 @@ def summary(opts, tasks, progress, quotas, start: list[dict], heldout, elapsed) 
         "filtered": {reason: sum_counts(progress).get(reason, 0) for reason in REASONS},
         "complete": complete,
         "tasks": per_task,
-        "heldout_files": {name: str(path) for name, path in heldout.items()},
+        # the files with rows (a task whose samples all failed the filters has none)
+        "heldout_files": {name: str(path) for name, path in heldout.items() if path.is_file()},
         "rows_per_s": round(rows_new / elapsed, 2) if elapsed > 0 else 0.0,
         "samples_per_s": round(drawn_new / elapsed, 2) if elapsed > 0 else 0.0,
         "elapsed_s": round(elapsed, 2),
@@ -434,11 +434,10 @@ def summary(opts, tasks, progress, quotas, start: list[dict], heldout, elapsed) 
 
 
 def heldout_files(opts: SynthOptions, names: list[str]) -> dict[str, Path]:
-    """The held-out file of every task ({} without ``--heldout-per-task``)."""
+    """The held-out file of every task ({} without ``--heldout-per-task``), created by its first row."""
     if not opts.heldout_per_task:
         return {}
     directory = Path(opts.heldout_dir) if opts.heldout_dir else default_heldout_dir(opts.output)
-    directory.mkdir(parents=True, exist_ok=True)
     return {name: heldout_path(directory, name) for name in names}
 
 

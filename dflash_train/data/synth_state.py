@@ -1,6 +1,7 @@
 """Resume of ``dflash-train synth``: the state file and the output files made to agree with it.
 
-Rows are appended to the output (and the held-out files) and fsynced per batch, then
+The state file is written before the first row (counting none). Rows are appended to the output
+(and the held-out files, each created by its first row) and fsynced per batch, then
 ``OUTPUT.state.json`` records, per task, the next sample index, the training and held-out rows kept
 and the filter counts. A rerun with the same settings continues exactly where the state says: rows
 written after the last state update are cut (and redrawn identically), as is a torn last line.
@@ -94,9 +95,13 @@ def save_state(path: Path, state: dict) -> None:
     os.replace(tmp, path)  # atomic: a crash leaves the old or the new state, never half of one
 
 
-def append_rows(handle, lines: list[str]) -> None:
-    """Append rows and make them durable before the state that counts them is written."""
-    if lines:
+def append_rows(path: Path, lines: list[str]) -> None:
+    """Append rows to ``path`` (created, with its folder, by its first rows) and make them durable
+    before the state that counts them is written."""
+    if not lines:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as handle:
         handle.write("".join(lines))
-    handle.flush()
-    os.fsync(handle.fileno())
+        handle.flush()
+        os.fsync(handle.fileno())

@@ -18,8 +18,9 @@ takes the next one, so a batch never waits for its longest row: the moment a row
   also by later calls. The grouped attention attends the first ``kv_length`` cache indices, a
   bucket (multiple of ``kv_bucket``) above every running row's position, which the host knows
   without a sync (one graph per bucket); flex attends each slot's live blocks of the whole
-  capacity (one graph). All graphs share one memory pool (no graph keeps live tensors across
-  replays: its results go to the engine's buffers).
+  capacity (one graph). The graphs' lifetimes (one pool, a fresh one after a drop, warm-ups on the
+  capture stream) are ``generate/step_graphs.py``'s; no graph keeps live tensors across replays:
+  its results go to the engine's buffers.
 - Host: every ``check_every`` steps one sync reads the done flags; finished rows' tokens are
   collected and their slots refilled once at least ``refill_fraction`` of the slots are free
   (or nothing is running), so small prefills do not interrupt decoding every step.
@@ -64,6 +65,7 @@ from dflash_train.generate.sampling import (
     step_keys,
 )
 from dflash_train.generate.slot_cache import SlotCache
+from dflash_train.generate.step_graphs import GraphRuntime, StepGraphs
 
 # on_rows(num_rows_finished, num_tokens_generated), called as rows finish (progress bars).
 RowsCallback = Callable[[int, int], None]
@@ -112,6 +114,7 @@ class SlotEngine:
         refill_fraction: float = 1 / 16,
         max_prefill_tokens: int = 32768,
         decode_attention: str | None = None,
+        graph_runtime: GraphRuntime | None = None,
     ):
         problem = slot_engine_problem(model)
         if problem is not None:
@@ -142,9 +145,7 @@ class SlotEngine:
         self.cache: SlotCache | None = None
         self.live_mask: LiveBlockMask | None = None  # flex: the per-step BlockMask over the cache
         self.max_new_tokens = 0  # width of ``generated`` and ``hashed_steps``
-        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self.warmups: dict[tuple, int] = {}
-        self.pool = None
+        self.graphs = StepGraphs(graph_runtime)  # a graph per step key (CUDA, or a stand-in runtime)
         self.num_steps = 0  # decode steps run (tests and benchmarks)
         self.generated_tokens = 0  # tokens drawn over all calls, stop tokens included (progress)
         slots, device = num_slots, self.device
@@ -186,7 +187,7 @@ class SlotEngine:
         """Refill the stop-id buffer in place (grown, and the graphs dropped, for more ids)."""
         stop_ids = sorted(stop_ids)
         if len(stop_ids) > self.stops.numel():
-            self.drop_graphs()
+            self.graphs.drop()
             self.stops = torch.full(
                 (1 << (len(stop_ids) - 1).bit_length(),), -1, dtype=torch.long, device=self.device
             )
@@ -198,57 +199,25 @@ class SlotEngine:
         """A slot cache of at least ``capacity`` and token buffers of ``max_new_tokens`` (nothing occupied)."""
         capacity = round_up(capacity, self.kv_bucket)
         if self.cache is None or self.cache.capacity < capacity:
-            self.drop_graphs()
+            self.graphs.drop()
             self.cache = None  # free the old storage before allocating the new
             check_free_memory(prefill, self.num_slots, capacity, self.device)
             self.cache = SlotCache(prefill, capacity, self.positions)
             if self.decode_attention == "flex":
                 self.live_mask = LiveBlockMask(self.positions, capacity)
         if self.max_new_tokens < max_new_tokens:
-            self.drop_graphs()
+            self.graphs.drop()
             self.generated = torch.zeros(self.num_slots, max_new_tokens, dtype=torch.long, device=self.device)
             self.hashed_steps = step_keys(max_new_tokens, self.device)
             self.max_new_tokens = max_new_tokens
 
-    def drop_graphs(self) -> None:
-        self.graphs.clear()
-        self.warmups.clear()
-
     # -- one decode step --------------------------------------------------------------------------------
     def step(self, spec: StepSpec) -> None:
-        """One token for every slot; on CUDA a graph per ``spec.key`` (after two eager warm-up steps)."""
+        """One token for every slot; with graphs, a captured graph per ``spec.key`` after its warm-up."""
         self.num_steps += 1
         if not self.use_cuda_graphs:
             return self.decode(spec)
-        graph = self.graphs.get(spec.key)
-        if graph is None:
-            if self.warmups.get(spec.key, 0) < 2:
-                self.warmups[spec.key] = self.warmups.get(spec.key, 0) + 1
-                return self.warm_up(spec)
-            graph = self.graphs[spec.key] = self.capture(spec)
-        return self.replay(graph, spec)
-
-    def warm_up(self, spec: StepSpec) -> None:
-        """A real step, run eagerly on a side stream (lazy initialisation, kernel autotuning, the
-        decode attention's compilation), so the state it advances is the state the loop expects."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self.decode(spec)
-        torch.cuda.current_stream().wait_stream(stream)
-
-    def capture(self, spec: StepSpec) -> torch.cuda.CUDAGraph:
-        """The step recorded as a CUDA graph (recorded, not run). It reads engine buffers only."""
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.decode(spec)
-        return graph
-
-    def replay(self, graph: torch.cuda.CUDAGraph, spec: StepSpec) -> None:
-        """Run a captured step (``spec`` is what it was captured for; its key matched)."""
-        graph.replay()
+        self.graphs.run(spec.key, lambda: self.decode(spec))
 
     def decode(self, spec: StepSpec) -> None:
         """The step itself: only tensor ops on preallocated buffers (capturable)."""
