@@ -70,6 +70,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--epochs", type=int, default=0, help="also equal-epochs runs: train.num_epochs (0 = none)"
     )
     p.add_argument("--recipe", default="smollm2-135m")
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        help="NAME|overrides: a run per scale named rows-N-NAME with these overrides (repeatable; "
+        "default one run per scale, rows-N, the recipe as it is)",
+    )
     p.add_argument("--common", default="", help="overrides for every run")
     p.add_argument("--train-seconds", type=float, default=420, help="train.time_limit_s of a sitting")
     p.add_argument("--parallel", type=int, default=0, help="runs training at once (0 = all ready)")
@@ -77,6 +84,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval-prompts", type=int, default=128, help="prompts per held-out file (0 = all)")
     p.add_argument("--train-prompts", type=int, default=64)
     p.add_argument("--max-new-tokens", type=int, default=512, help="eval continuation length")
+    p.add_argument(
+        "--heldout", type=Path, action="append", default=[], help="another held-out prompt file (repeatable)"
+    )
     p.add_argument("--eval-batch-size", type=int, default=128)
     p.add_argument("--eval-args", default="--baseline ngram --ddtree-budget 32")
     p.add_argument("--dry-run", action="store_true", help="CPU wiring check (see the header)")
@@ -86,6 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.target:
         p.error("--target is required, unless --dry-run")
     args.started, args.eval_unfinished, args.max_rows = time.monotonic(), False, 0
+    args.extra_heldout = list(args.heldout)
     return args
 
 
@@ -223,13 +234,22 @@ def scale_runs(args, status: dict) -> list[tuple[str, list[str]]]:
             subsets[str(scale)] = sum(1 for _ in open(subset, "rb"))
         if subset.exists():
             data = f"data.paths=[{subset}]"
-            if args.steps:
-                runs.append((f"rows-{scale}", [data, f"train.max_steps={args.steps}"]))
-            if args.epochs:
-                runs.append(
-                    (f"rows-{scale}-epochs", [data, "train.max_steps=0", f"train.num_epochs={args.epochs}"])
-                )
+            for suffix, overrides in variants(args):
+                if args.steps:
+                    runs.append(
+                        (f"rows-{scale}{suffix}", [data, f"train.max_steps={args.steps}", *overrides])
+                    )
+                if args.epochs:
+                    epochs = ["train.max_steps=0", f"train.num_epochs={args.epochs}"]
+                    runs.append((f"rows-{scale}-epochs{suffix}", [data, *epochs, *overrides]))
     return runs
+
+
+def variants(args) -> list[tuple[str, list[str]]]:
+    """(run-name suffix, overrides) of each ``--variant`` (one unnamed run without any)."""
+    if not args.variant:
+        return [("", [])]
+    return [(f"-{name}", overrides) for name, overrides in quality.parse_runs(args.variant)]
 
 
 def heldout_sets(args) -> list[Path]:
@@ -243,7 +263,8 @@ def train_and_eval(args, status: dict, stages: list[str]) -> None:
     names = [name for name, _ in runs]
     if not runs:
         return
-    args.train_rows, args.data, args.heldout = args.work / "regen.jsonl", None, heldout_sets(args)
+    args.train_rows, args.data = args.work / "regen.jsonl", None
+    args.heldout = heldout_sets(args) + [p for p in args.extra_heldout if p not in heldout_sets(args)]
     args.run = [f"{n}|{' '.join(o)}" for n, o in runs]
     files = quality.prepare_data(args)
     summary = {"runs": {n: " ".join(o) for n, o in runs}}
