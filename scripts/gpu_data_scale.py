@@ -30,7 +30,10 @@ Dry run on a CPU (the wiring end to end, numbers meaningless): ``python3 scripts
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import lzma
+import shutil
 import sys
 import tarfile
 import time
@@ -52,6 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stages", default="synth,regen,train,eval")
     p.add_argument(
         "--synth-from", type=Path, help="a folder with synth.tar.gz (or parts) from an earlier call"
+    )
+    p.add_argument(
+        "--prompts",
+        type=Path,
+        help="training prompts made earlier (JSONL, or .xz/.gz: datasets/smollm2-135m-tasks/prompts.jsonl.xz) "
+        "instead of the synth stage; give their held-out files with --heldout",
     )
     p.add_argument("--num-rows", type=int, default=120_000, help="training prompts kept after the filters")
     p.add_argument("--task-file", default="chat-tasks")
@@ -302,6 +311,22 @@ def bundle_synth(args) -> None:
         (args.out / f"synth.part{i // PART_BYTES:02d}.tar.gz").write_bytes(data[i : i + PART_BYTES])
 
 
+def given_prompts(args, status: dict) -> None:
+    """``--prompts``: the training prompts decompressed once into the work folder; the synth stage
+    is then done with their count."""
+    if args.prompts is None:
+        return
+    prompts = args.work / "prompts.jsonl"
+    if not prompts.exists():
+        opener = {".xz": lzma.open, ".gz": gzip.open}.get(args.prompts.suffix, open)
+        with opener(args.prompts, "rb") as source, open(prompts.with_suffix(".tmp"), "wb") as out:
+            shutil.copyfileobj(source, out)
+        prompts.with_suffix(".tmp").rename(prompts)
+    rows = sum(1 for _ in open(prompts, "rb"))
+    args.num_rows = rows
+    status["synth"] = {"done": rows, "total": rows, "given": str(args.prompts)}
+
+
 def restore_synth(args) -> None:
     """A synth bundle from an earlier call, unpacked into an empty work folder (a fresh machine)."""
     if args.synth_from is None or (args.work / "prompts.jsonl").exists():
@@ -334,6 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     saved = args.work / "status.json"
     status = json.loads(saved.read_text()) if saved.exists() else {}
     stages = args.stages.split(",")
+    given_prompts(args, status)
+    if args.prompts is not None and "synth" in stages:
+        stages.remove("synth")
     for stage, run in (("synth", synth_stage), ("regen", regen_stage)):
         if stage in stages:
             run(args, status)

@@ -30,6 +30,7 @@ def test_the_generation_mode_reports_engines_agreement_and_the_decode_profile(tm
     profile = result["profiles"][0]
     assert profile["status"] == "ok" and profile["step_ms"] > 0 and profile["step_over_floor"] > 1
     assert profile["traffic_bytes_per_step"]["kv"] > 0 and 0 <= profile["copy_share"] < 1
+    assert profile["compile_decode"] is False and profile["kernels_per_step"] is None  # no kernels on a CPU
 
 
 def test_bad_engine_lists_are_refused_with_the_choices(capsys):

@@ -253,3 +253,29 @@ def test_the_builtin_demo_target_when_it_is_built():
     stops = {model.config.eos_token_id}
     want = run(PaddedEngine(model, num_slots=12), prompts, stops, GREEDY, 48)
     assert run(SlotEngine(model, num_slots=5), prompts, stops, GREEDY, 48) == want
+
+
+@pytest.mark.parametrize("kind, sampling", [("qwen3", GREEDY), ("hybrid", SAMPLED)], ids=["qwen3", "hybrid"])
+def test_the_compiled_step_gives_the_padded_engines_tokens(kind, sampling):
+    """``compile_decode``: the forward and draw under torch.compile (fp32, CPU inductor) over several kv
+    buckets (a static, then a dynamic compilation), token for token against the padded engine."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = sharpen(build_tiny_target(kind, vocab_size=64, seed=1))
+    prompts = mixed_prompts(64, num_rows=9, seed=2)
+    stops = stop_ids_for(model, prompts)
+    engine = SlotEngine(model, num_slots=3, kv_bucket=8, compile_decode=True)
+    want = run(PaddedEngine(model, num_slots=9), prompts, stops, sampling, 30)
+    assert run(engine, prompts, stops, sampling, 30) == want
+    assert counters["stats"]["unique_graphs"] >= 2  # compiled, and again for a later bucket
+
+
+def test_the_compiled_step_refuses_the_flex_attention():
+    with pytest.raises(ValueError, match="decode_attention='grouped'"):
+        SlotEngine(
+            build_tiny_target("qwen3", vocab_size=64),
+            num_slots=2,
+            decode_attention="flex",
+            compile_decode=True,
+        )

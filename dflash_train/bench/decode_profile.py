@@ -33,23 +33,21 @@ class WindowDone(Exception):
     """Raised from inside the engine's loop once the window is measured (ends the call early)."""
 
 
-def profile_decode(model, prompts, stops, batch_size: int, args, out_dir: Path) -> dict:
+def profile_decode(model, prompts, stops, batch_size: int, args, out_dir: Path, compiled=False) -> dict:
+    """The graphed step timed and an eager step profiled; ``compiled``: both with ``compile_decode``."""
     rows = (prompts * (batch_size // len(prompts) + 1))[:batch_size]  # every slot busy in the window
-    engine = SlotEngine(
-        model, num_slots=batch_size, check_every=args.check_every, kv_bucket=args.kv_bucket or None
-    )
+    options = {
+        "check_every": args.check_every,
+        "kv_bucket": args.kv_bucket or None,
+        "compile_decode": compiled,
+    }
+    engine = SlotEngine(model, num_slots=batch_size, **options)
     step_s, live_tokens = time_window(engine, rows, stops, args)
     per_step = traffic_per_step(engine, live_tokens)
     floor_s = per_step["total"] / COPY_BANDWIDTH
-    eager = SlotEngine(
-        model,
-        num_slots=batch_size,
-        use_cuda_graphs=False,
-        check_every=args.check_every,
-        kv_bucket=args.kv_bucket or None,
-    )
+    eager = SlotEngine(model, num_slots=batch_size, use_cuda_graphs=False, **options)
     table, shares = profile_window(eager, rows, stops, args)
-    path = out_dir / f"decode_profile_{batch_size}.txt"
+    path = out_dir / f"decode_profile_{batch_size}{'_compiled' if compiled else ''}.txt"
     path.write_text(table)
     return {
         "status": "ok",
@@ -147,8 +145,11 @@ def profile_window(engine: SlotEngine, rows, stops, args) -> tuple[str, dict]:
         getattr(e, sort_by) for e in events if not on_device or e.device_type == DeviceType.CUDA
     )  # kernels only on CUDA (an operator's device time is its kernels')
     copies = sum(getattr(e, sort_by) for e in events if e.key in COPY_OPS)
+    # Kernel launches per step (CUDA only: a CPU run has no kernels to count).
+    kernels = sum(e.count for e in events if e.device_type == DeviceType.CUDA) if on_device else None
     shares = {
         "profiled_steps": PROFILED_STEPS,
+        "kernels_per_step": kernels / PROFILED_STEPS if kernels is not None else None,
         "device_ms_per_step": total / 1e3 / PROFILED_STEPS,
         "copy_share": copies / total if total else float("nan"),
         "top_operators": [

@@ -6,8 +6,9 @@ Engines: ``padded`` (the padded-batch loop synth and regen ran before, ``generat
 run in waves of ``--batch-size`` rows), ``slots`` (the slot engine: continuous batching over
 ``--batch-size`` slots, preallocated cache, CUDA-graphed decode step on CUDA, its default decode
 attention: FlexAttention over each slot's live blocks on CUDA), ``slots-grouped`` (the same with the
-grouped-matmul decode attention over the attended bucket) and ``slots-eager`` (no graphs, to
-separate the gains). Every engine runs the same prompts, greedy
+grouped-matmul decode attention over the attended bucket), ``slots-eager`` (no graphs, to
+separate the gains) and ``slots-compiled`` (the decode forward and draw under torch.compile, inside
+the graphs: ``SlotEngine(compile_decode=True)``; with ``--profile`` its step is profiled too). Every engine runs the same prompts, greedy
 (or ``--temperature``), after an untimed warm-up on one batch of them (CUDA graph captures, kernel
 autotuning). The first engine's greedy outputs are the reference; each other engine's are compared
 row by row and every first divergence is judged by ``eval.verdict`` (logits of one plain target
@@ -55,7 +56,7 @@ from dflash_train.generate.engine import SlotEngine
 from dflash_train.generate.sampling import PaddedEngine, Sampling
 
 HELP = "Generation engines (slots on either decode attention, padded): rows/s, tokens/s, decode profile."
-ENGINES = ("padded", "slots", "slots-flex", "slots-grouped", "slots-eager")
+ENGINES = ("padded", "slots", "slots-flex", "slots-grouped", "slots-eager", "slots-compiled")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,6 +173,7 @@ def make_engine(name: str, model, batch_size: int, options: GenerationBenchOptio
     return SlotEngine(
         model, num_slots=batch_size, use_cuda_graphs=False if name == "slots-eager" else None,
         check_every=options.check_every, kv_bucket=options.kv_bucket or None, decode_attention=attention,
+        compile_decode=name == "slots-compiled",
     )  # fmt: skip
 
 
@@ -281,12 +283,14 @@ def run_generation_bench(options: GenerationBenchOptions) -> dict[str, Any]:
         out.write_text(json.dumps(result, indent=2) + "\n")
 
     sizes, engines = options.batch_size_list, options.engine_list
-    num_steps = len(sizes) * (2 * len(engines) + len(engines) - 1 + options.profile)
+    # profiled: the plain slot engine's step, and the compiled one's when slots-compiled is benched
+    profiled = [False, True][: 1 + ("slots-compiled" in engines)] if options.profile else []
+    num_steps = len(sizes) * (2 * len(engines) + len(engines) - 1 + len(profiled))
     with StepProgress("generation", num_steps, options) as progress:
         for batch_size in sizes:
-            if options.profile:
+            for compiled in profiled:
                 result["profiles"].append(
-                    profile_step(model, prompts, stops, batch_size, options, out, progress)
+                    profile_step(model, prompts, stops, batch_size, options, out, progress, compiled)
                 )
                 save()
             reference = None
@@ -321,13 +325,14 @@ def run_generation_bench(options: GenerationBenchOptions) -> dict[str, Any]:
     return result | {"out": str(out)}
 
 
-def profile_step(model, prompts, stops, batch_size, options, out: Path, progress) -> dict:
+def profile_step(model, prompts, stops, batch_size, options, out: Path, progress, compiled=False) -> dict:
     def step():
-        with progress.step(f"profile x{batch_size}"):
-            return profile_decode(model, prompts, stops, batch_size, options, out.parent), None
+        label = f"profile x{batch_size}" + (" compiled" if compiled else "")
+        with progress.step(label):
+            return profile_decode(model, prompts, stops, batch_size, options, out.parent, compiled), None
 
     record, _ = guarded({}, step)
-    return record | {"batch_size": batch_size}
+    return record | {"batch_size": batch_size, "compile_decode": compiled}
 
 
 def print_table(result: dict) -> None:

@@ -115,6 +115,7 @@ class SlotEngine:
         max_prefill_tokens: int = 32768,
         decode_attention: str | None = None,
         graph_runtime: GraphRuntime | None = None,
+        compile_decode: bool = False,
     ):
         problem = slot_engine_problem(model)
         if problem is not None:
@@ -131,6 +132,13 @@ class SlotEngine:
             raise ValueError(
                 f"decode_attention={decode_attention!r}: use one of {', '.join(DECODE_ATTENTIONS)}"
             )
+        if compile_decode and self.decode_attention == "flex":
+            raise ValueError(
+                "compile_decode compiles the step around the grouped decode attention; flex compiles its "
+                "own kernel: use decode_attention='grouped' or compile_decode=False"
+            )
+        self.compile_decode = compile_decode
+        self.step_body = compiled_step(self.forward_and_draw) if compile_decode else self.forward_and_draw
         layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
         self.hybrid = "linear_attention" in layer_types
         self.dtype = next(model.parameters()).dtype
@@ -223,22 +231,27 @@ class SlotEngine:
         """The step itself: only tensor ops on preallocated buffers (capturable)."""
         self.cache.set_kv_length(spec.kv_length)
         with decoding_with(self.model):
-            out = self.model(
-                input_ids=self.tokens[:, None],
-                position_ids=self.positions[:, None],
-                attention_mask=self.decode_mask(spec.kv_length),
-                past_key_values=self.cache,
-                use_cache=True,
-            )
+            self.step_body(spec.kv_length, spec.max_new_tokens, spec.sampling)
+
+    def forward_and_draw(self, kv_length: int, max_new_tokens: int, sampling: Sampling) -> None:
+        """One forward of every slot's token, its draw and the buffers' update (``compile_decode``
+        compiles exactly this)."""
+        out = self.model(
+            input_ids=self.tokens[:, None],
+            position_ids=self.positions[:, None],
+            attention_mask=self.decode_mask(kv_length),
+            past_key_values=self.cache,
+            use_cache=True,
+        )
         running = ~self.done
-        token = self.draw(out.logits[:, -1].float(), self.steps, spec)
-        column = self.steps.clamp(max=spec.max_new_tokens - 1)[:, None]
+        token = self.draw(out.logits[:, -1].float(), self.steps, max_new_tokens, sampling)
+        column = self.steps.clamp(max=max_new_tokens - 1)[:, None]
         kept = self.generated.gather(1, column).squeeze(1)
         self.generated.scatter_(1, column, torch.where(running, token, kept)[:, None])
         hit = running & is_stop(token, self.stops)
         self.stopped |= hit
         self.steps += running.long()
-        self.done |= hit | (self.steps >= spec.max_new_tokens)
+        self.done |= hit | (self.steps >= max_new_tokens)
         self.tokens.copy_(torch.where(running, token, self.tokens))
         self.positions += (~self.done).long()
 
@@ -260,11 +273,11 @@ class SlotEngine:
         (one graph for every length); grouped reads the bucket above every running row."""
         return self.cache.capacity if self.decode_attention == "flex" else bucket
 
-    def draw(self, logits: torch.Tensor, steps: torch.Tensor, spec: StepSpec, streams=None) -> torch.Tensor:
+    def draw(self, logits, steps, max_new_tokens: int, sampling: Sampling, streams=None) -> torch.Tensor:
         """Each row's token for its step ``steps`` [rows] from ``logits`` [rows, V]."""
         streams = self.streams if streams is None else streams
-        hashed = self.hashed_steps[steps.clamp(max=spec.max_new_tokens - 1)]
-        return choose_tokens(logits, row_uniforms(streams, hashed), spec.sampling)
+        hashed = self.hashed_steps[steps.clamp(max=max_new_tokens - 1)]
+        return choose_tokens(logits, row_uniforms(streams, hashed), sampling)
 
 
 class StepSpec:
@@ -349,7 +362,10 @@ class Run:
         streams = row_streams(
             self.spec.sampling.seed, torch.as_tensor([self.keys[r] for r in rows], device=engine.device)
         )
-        first = engine.draw(out.logits[:, -1].float(), torch.zeros_like(index), self.spec, streams)
+        spec = self.spec
+        first = engine.draw(
+            out.logits[:, -1].float(), torch.zeros_like(index), spec.max_new_tokens, spec.sampling, streams
+        )
         hit = is_stop(first, engine.stops)
         engine.streams[index] = streams
         engine.generated[index, 0] = first
@@ -401,6 +417,18 @@ def prefill_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
 def is_stop(tokens: torch.Tensor, stops: torch.Tensor) -> torch.Tensor:
     """[rows] bool; a broadcast compare rather than ``isin`` (no data-dependent kernels in a graph)."""
     return (tokens[:, None] == stops[None, :]).any(dim=-1)
+
+
+def compiled_step(step_body):
+    """``step_body`` under torch.compile: the decode forward and the draw as fused kernels (RMSNorm,
+    RoPE, SwiGLU, residual adds, the sampling tail), captured into the engine's graphs like the eager
+    step. The attended length is a Python int: the first bucket compiles a static graph, the second
+    a dynamic one that serves every later bucket (dynamo's automatic dynamic shapes), so a call
+    compiles at most twice per sampling setting, during the eager warm-up steps of its first keys."""
+    # Keys differ in bucket, token limit and sampling: keep them all compiled rather than let the
+    # default limit of 8 per code object send later keys back to eager.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    return torch.compile(step_body, dynamic=None)
 
 
 def round_up(value: int, multiple: int) -> int:
