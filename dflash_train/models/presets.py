@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from transformers import PretrainedConfig, Qwen3_5TextConfig, Qwen3Config
+from transformers import LlamaConfig, PretrainedConfig, Qwen3_5TextConfig, Qwen3Config
 
 from dflash_train.models.drafter_config import DFlashDraftConfig, check_ascending_layer_ids
 from dflash_train.models.recipe_config import DrafterConfig
@@ -107,8 +107,27 @@ def tiny_qwen3_target_config(
     )
 
 
+def smollm2_135m_target_config(num_hidden_layers: int = 30) -> LlamaConfig:
+    """SmolLM2-135M-Instruct's shape (the real target of docs/quality.md), for random-weight benchmarks
+    of generation at that shape: Llama, hidden 576, 9 query / 3 key-value heads of 64, FFN 1536."""
+    return LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        tie_word_embeddings=True,
+    )
+
+
 TARGET_PRESETS = {
     "qwen3.6-27b": qwen36_27b_target_config,
+    "smollm2-135m": smollm2_135m_target_config,
     "qwen3-8b": qwen3_8b_target_config,
     "tiny-hybrid": tiny_hybrid_target_config,
     "tiny-qwen3": tiny_qwen3_target_config,
