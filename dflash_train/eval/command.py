@@ -58,6 +58,11 @@ def run_eval(options: EvalOptions) -> dict[str, Any]:
         "tau_mode": options.resolved_tau_mode,
         "ngram_n": options.ngram_n,  # also the loop test of the diagnosis
         "ngram_min_match": options.ngram_min_match if "ngram+dflash" in options.exact_methods else None,
+        "ngram_max_draft": (
+            options.ngram_max_draft or drafter.config.num_verify_tokens - 1
+            if "ngram+dflash" in options.exact_methods
+            else None
+        ),
         **engine_fields(measured["decode_report"]),
     }
     return finish_report(measured, files, options, drafter.config.num_verify_tokens, extra)
@@ -165,6 +170,7 @@ def exact_mode(
         frozen, drafter, prompts, continuations,
         max_new_tokens=options.max_new_tokens, eos_token_ids=eos, methods=options.exact_methods,
         ngram_n=options.ngram_n, ngram_min_match=options.ngram_min_match,
+        ngram_max_draft=options.ngram_max_draft,
         ddtree_budget=options.ddtree_budget, ddtree_topk=options.ddtree_topk,
         drafter_batch_tokens=options.drafter_batch_tokens, pad_token_id=pad,
         on_progress=bars.exact_callback(len(prompts), options.exact_methods),
