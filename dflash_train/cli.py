@@ -388,7 +388,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--ngram-types",
         nargs="*",
         default=["ngram-simple", "ngram-mod"],
-        help="llama.cpp n-gram types to run too",
+        help="llama.cpp n-gram types to run too, alone and before the drafter",
+    )
+    p.add_argument(
+        "--ngram-min-match",
+        type=int,
+        default=3,
+        help="ngram-simple's key size in the engine (--spec-ngram-simple-size-n) and in the eval's ngram+dflash",
+    )
+    p.add_argument(
+        "--ngram-max-draft",
+        type=int,
+        default=0,
+        help="ngram-simple's draft limit (--spec-ngram-simple-size-m) in both; 0 = the drafter's B-1",
     )
     p.add_argument(
         "--llama-server", default="", help="llama-server binary (default: $DFLASH_LLAMA_SERVER, PATH)"

@@ -548,9 +548,15 @@ def test_eval_command_reports_the_diagnosis_and_the_combination(tiny_qwen3_dir, 
     base = ["eval", "--target", str(tiny_qwen3_dir), "--drafter", str(tmp_path / "drafter"),
             "--prompts", str(tmp_path / "p.jsonl"), "--max-new-tokens", "30", "--device", "cpu",
             "--no-progress", "--json"]  # fmt: skip
-    assert main([*base, "--baseline", "ngram", "--ngram-min-match", "2", "--ngram-max-draft", "5"]) == 0
+    export = ["--output-dir", str(tmp_path / "drafter")]  # the export itself: its SERVING.md is rewritten
+    assert (
+        main([*base, "--baseline", "ngram", "--ngram-min-match", "2", "--ngram-max-draft", "5", *export]) == 0
+    )
     out = capsys.readouterr().out
     result = json.loads(out.strip().splitlines()[-1])
+    notes = (tmp_path / "drafter" / "SERVING.md").read_text()
+    assert f"{result['ngram_dflash_tau']:.3f} with ngram-simple first" in notes
+    assert "--spec-ngram-simple-size-n 2 --spec-ngram-simple-size-m 5" in notes
     assert list(result["methods"]) == ["dflash", "ngram", "ngram+dflash"]
     assert result["ngram_dflash_tau"] == result["methods"]["ngram+dflash"]["tau"]
     assert result["ngram_min_match"] == 2 and result["ngram_n"] == 3 and result["ngram_max_draft"] == 5
