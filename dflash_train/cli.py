@@ -64,6 +64,7 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
         baseline=args.baseline,
         ngram_n=args.ngram_n,
         ngram_min_match=args.ngram_min_match,
+        ngram_max_draft=args.ngram_max_draft,
         ddtree_budget=args.ddtree_budget,
         ddtree_topk=args.ddtree_topk,
         tau_mode=args.tau_mode,
@@ -211,7 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--ngram-min-match",
         type=int,
         default=3,
-        help="exact mode, ngram+dflash: draft by prompt lookup when a suffix of >= M tokens recurs",
+        help="exact mode, ngram+dflash (llama.cpp's ngram-simple rule): draft by prompt lookup when the "
+        "last M tokens occurred earlier (--spec-ngram-simple-size-n M)",
+    )
+    p.add_argument(
+        "--ngram-max-draft",
+        type=int,
+        default=0,
+        help="exact mode, ngram+dflash: copy at most N tokens per lookup round "
+        "(--spec-ngram-simple-size-m N); 0 = the drafter's B-1",
     )
     p.add_argument(
         "--ddtree-budget", type=int, default=0, help="tree drafting with this many nodes (0 = chain)"
@@ -379,7 +388,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--ngram-types",
         nargs="*",
         default=["ngram-simple", "ngram-mod"],
-        help="llama.cpp n-gram types to run too",
+        help="llama.cpp n-gram types to run too, alone and before the drafter",
+    )
+    p.add_argument(
+        "--ngram-min-match",
+        type=int,
+        default=3,
+        help="ngram-simple's key size in the engine (--spec-ngram-simple-size-n) and in the eval's ngram+dflash",
+    )
+    p.add_argument(
+        "--ngram-max-draft",
+        type=int,
+        default=0,
+        help="ngram-simple's draft limit (--spec-ngram-simple-size-m) in both; 0 = the drafter's B-1",
     )
     p.add_argument(
         "--llama-server", default="", help="llama-server binary (default: $DFLASH_LLAMA_SERVER, PATH)"

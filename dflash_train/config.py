@@ -60,6 +60,10 @@ class TrainConfig:
     # Packed rows: at most ceil(anchors_per_token * length) anchors per conversation (the row still
     # has num_anchors slots); 0 = num_anchors / row length.
     anchors_per_token: float = 0.0
+    # Draw weight of anchors whose whole block the eval's n-gram lookup (n = lookup_anchor_ngram_n)
+    # would copy, relative to the others: 1 = uniform, 0 = never (docs/quality.md, "The long tail").
+    lookup_anchor_weight: float = 1.0
+    lookup_anchor_ngram_n: int = 3
     # Loss decay exp(-(k-1)/gamma) over block position k; 0 = 7/5/4 for block 16/10/8.
     gamma: float = 0.0
     # Objective (docs/training.md "Loss options"): "ce" on the data's tokens, "kl" to the target's
@@ -270,11 +274,15 @@ def validate(cfg: RunConfig) -> None:
 
 
 def validate_packing(cfg: RunConfig) -> None:
-    """Packing knobs, and the placement that does not carry packed rows yet."""
+    """Packing and anchor-draw knobs, and the placement that does not carry packed rows yet."""
     dt, t = cfg.data, cfg.train
     if dt.pack_window < 1 or t.anchors_per_token < 0:
         raise ValueError(
             "data.pack_window must be >= 1 and train.anchors_per_token >= 0 (0 = num_anchors / row)."
+        )
+    if not 0 <= t.lookup_anchor_weight < float("inf") or t.lookup_anchor_ngram_n < 1:
+        raise ValueError(
+            "train.lookup_anchor_weight must be finite and >= 0 (1 = uniform), lookup_anchor_ngram_n >= 1."
         )
     if dt.packing and t.placement == "split":
         raise ValueError(

@@ -19,6 +19,7 @@ from dflash_train.eval.proposers import DFlashProposer, Draft, NgramProposer, Pr
 from dflash_train.eval.runner import evaluate
 from dflash_train.eval.simulate import NgramIndex
 from dflash_train.eval.speculative import plain_generate
+from dflash_train.eval.summary import summarize_rounds
 from dflash_train.eval.target_session import TargetSession
 
 BLOCK = 4
@@ -346,13 +347,47 @@ def test_rounds_after_a_rejection_are_reported_apart():
     assert d["random_anchor_tau"] == pytest.approx(24 / 15)
 
 
-def combined_tau(continuation, drafts, min_match, prompt=(100,)):
+def combined_tau(continuation, drafts, key_size, prompt=(100,), max_draft=0):
     from dflash_train.eval.simulate import simulate_ngram_then_dflash
 
     common = dict(block_size=BLOCK, max_new_tokens=len(continuation), eos_token_ids=set())
     return simulate_ngram_then_dflash(
-        list(prompt), continuation, lambda out: drafts[out - 1], n=3, min_match=min_match, **common
-    )
+        list(prompt), continuation, lambda out: drafts[out - 1], key_size=key_size, max_draft=max_draft,
+        **common,
+    )  # fmt: skip
+
+
+def test_ngram_simple_drafts_by_llama_cpps_rule():
+    """llama.cpp's ngram-simple (common/ngram-map.cpp): the latest earlier occurrence (start >= 1)
+    of the last n tokens, then min(m, tokens of the history after it), none below n."""
+    from dflash_train.eval.ngram_simple import ngram_simple_draft
+
+    ids = [7, 1, 2, 3, 4, 5, 6, 1, 2]  # key [1, 2]; history 8 tokens > 2 + 3 + 1
+    assert ngram_simple_draft(ids, len(ids), 2, 3) == [3, 4, 5]
+    assert ngram_simple_draft(ids, len(ids), 2, 5) == []  # history 8 <= 2 + 5 + 1
+    assert ngram_simple_draft([1, 2, 3, 4, 5, 6, 7, 1, 2], 9, 2, 3) == []  # position 0 never matches
+    # The latest occurrence [1, 2, 3] at 7 leaves 2 < 3 history tokens after it: no draft, although
+    # the one at 1 is followed by 4 5 6 (older occurrences are not tried). A loop of period <= n.
+    assert ngram_simple_draft([7, 1, 2, 3, 4, 5, 6, 1, 2, 3, 1, 2, 3], 13, 3, 3) == []
+    # An occurrence ending right before the key's last token is not searched; the draft never
+    # includes the just-sampled token.
+    assert ngram_simple_draft([7, 8, 9, 4, 6, 1, 5, 5], 8, 1, 2) == []
+    assert ngram_simple_draft([7, 8, 9, 4, 5, 1, 6, 5], 8, 1, 2) == [1, 6]
+    assert ngram_simple_draft([7, 8, 9, 4, 6, 5, 1, 5], 8, 1, 2) == [1]
+
+
+def test_ngram_simple_index_equals_the_direct_search():
+    from dflash_train.eval.ngram_simple import NgramSimpleIndex, ngram_simple_draft
+
+    rng = random.Random(0)
+    for _ in range(40):
+        ids = [rng.randrange(3) for _ in range(rng.randrange(1, 70))]
+        key_size, max_draft = rng.randrange(1, 5), rng.randrange(1, 9)
+        index = NgramSimpleIndex(ids, key_size, max_draft)
+        for length in range(1, len(ids) + 1):
+            assert index.draft(length) == ngram_simple_draft(ids, length, key_size, max_draft)
+    with pytest.raises(ValueError, match="key size 0"):
+        NgramSimpleIndex([1, 2], 0, 3)
 
 
 def test_ngram_then_dflash_copies_loops_and_drafts_the_rest():
@@ -364,27 +399,39 @@ def test_ngram_then_dflash_copies_loops_and_drafts_the_rest():
     dflash = simulate_chain(continuation, lambda out: drafts[out - 1], **common)
     ngram = simulate_ngram([100], continuation, n=3, **common)
     # DFlash: 4 + 4, then 15 rounds of 1 (out = 9..23) -> 23 / 17; n-gram: 8 rounds of 1, then
-    # 4 + 4 + 4 + 3 -> 23 / 12; both at once: 4 + 4 from DFlash, 4 + 4 + 4 + 3 copied -> 23 / 6.
+    # 4 + 4 + 4 + 3 -> 23 / 12.
     assert dflash.tau == pytest.approx(23 / 17) and ngram.tau == pytest.approx(23 / 12)
-    both = combined_tau(continuation, drafts, min_match=1)
+    # Key 1, at most B-1 = 3: the history is too short for lookup (<= 1 + 3 + 1) at out = 1 and 5,
+    # DFlash copies 4 + 4; from out = 9 the last token recurs and lookup copies 4 + 4 + 4 + 3.
+    both = combined_tau(continuation, drafts, key_size=1)
     assert both.num_accepted == [3, 3, 3, 3, 3, 2] and both.tau == pytest.approx(23 / 6)
-    # min_match 3: at out = 9, 10 the longest recurring suffix has 1 and 2 tokens -> DFlash (wrong);
+    # Key 3: at out = 9, 10 the last 3 tokens (7 8 1, 8 1 2) never occurred -> DFlash (wrong);
     # from out = 11 lookup copies: 4 + 4 + 1 + 1 + 4 + 4 + 4 + 1 over 8 rounds.
-    strict = combined_tau(continuation, drafts, min_match=3)
+    strict = combined_tau(continuation, drafts, key_size=3)
     assert strict.num_accepted == [3, 3, 0, 0, 3, 3, 3, 0] and strict.tau == pytest.approx(23 / 8)
+    # Up to 8 tokens per lookup round: lookup needs 1 + 8 + 1 < history, so DFlash drafts (wrong)
+    # at out = 9, 10; at out = 11 lookup copies the 7 tokens after the latest "3" (4 5 6 7 8 1 2),
+    # longer than a block, and at out = 19 the 4 the request has left.
+    long = combined_tau(continuation, drafts, key_size=1, max_draft=8)
+    assert long.num_drafted == [3, 3, 3, 3, 7, 4] and long.num_accepted == [3, 3, 0, 0, 7, 4]
+    summary = summarize_rounds([long], BLOCK)
+    assert summary["accept_length_histogram"] == [2, 0, 0, 2, 1, 0, 0, 1]
+    assert len(summary["per_position_acceptance"]) == 7
 
 
-def test_ngram_then_dflash_is_no_max_when_lookup_misleads():
+def test_ngram_then_dflash_drafts_by_lookup_whenever_lookup_proposes():
     continuation = [1, 2, 1, 3, 1, 4, 1, 5, 1, 6, 1, 7]  # "1" recurs, what follows it never does
     drafts = drafts_from(continuation, lambda j, k: True)
-    alone = combined_tau(continuation, drafts, min_match=99)  # never a long enough match: DFlash only
+    alone = combined_tau(continuation, drafts, key_size=99)  # never a lookup draft: DFlash only
     assert alone.num_accepted == [3, 3, 2] and alone.tau == pytest.approx(11 / 3)
-    # min_match 1: at out = 5 the suffix "1" recurs and lookup proposes "3 1", which is wrong.
-    misled = combined_tau(continuation, drafts, min_match=1)
-    assert misled.num_accepted == [3, 0, 3, 1] and misled.tau == pytest.approx(11 / 4)
-    assert combined_tau(continuation, drafts, min_match=2).tau == pytest.approx(11 / 3)
-    with pytest.raises(ValueError, match="min_match=0"):
-        combined_tau(continuation, drafts, min_match=0)
+    # Key 1: at out = 9 the latest earlier "1" (at 7) is followed by "5" only: lookup drafts that one
+    # token, which is wrong, although the drafter was right; the pick does not look at the drafter.
+    misled = combined_tau(continuation, drafts, key_size=1)
+    assert misled.num_drafted == [3, 3, 1, 1] and misled.num_accepted == [3, 3, 0, 1]
+    assert misled.tau == pytest.approx(11 / 4)
+    assert combined_tau(continuation, drafts, key_size=2).tau == pytest.approx(11 / 3)
+    with pytest.raises(ValueError, match="key size 0"):
+        combined_tau(continuation, drafts, key_size=0)
 
 
 def training_metric_over_every_anchor(model, drafter, prompts, continuations):
@@ -430,26 +477,27 @@ def test_random_anchor_tau_equals_the_training_metric_on_the_same_rows(setup, to
 
 
 class LookupThenDrafter(Proposer):
-    """Real-decoding twin of ``ngram+dflash``, written out independently: the longest suffix of
-    ``min_match`` .. max(n, min_match) tokens with an earlier occurrence proposes what followed its
-    latest one (padded with its last token); otherwise the DFlash proposer's block. The drafter runs
-    every round so that its context cache takes every committed position's features."""
+    """Real-decoding twin of ``ngram+dflash``, written out independently: llama.cpp's ngram-simple
+    with key size ``key_size`` and at most B-1 tokens (the latest occurrence of the last key_size
+    tokens that starts at 1 or later and ends before the previous token; what follows it in the
+    history, kept when it has at least key_size tokens), otherwise the DFlash proposer's block. The
+    drafter runs every round so that its context cache takes every committed position's features."""
 
-    def __init__(self, dflash, n, min_match):
-        self.dflash, self.n, self.min_match = dflash, n, min_match
+    def __init__(self, dflash, key_size):
+        self.dflash, self.key_size = dflash, key_size
 
     def start(self, prompt_ids):
         self.dflash.start(prompt_ids)
 
     def propose(self, accepted_ids, new_features, block_size):
         drafted = self.dflash.propose(accepted_ids, new_features, block_size)
-        ids = list(accepted_ids)
-        for size in range(min(max(self.n, self.min_match), len(ids) - 1), self.min_match - 1, -1):
-            for start in range(len(ids) - size - 1, -1, -1):
-                if ids[start : start + size] == ids[-size:]:
-                    span = ids[start + size : start + size + block_size - 1]
-                    return Draft(tokens=span + [span[-1]] * (block_size - 1 - len(span)))
-        return drafted
+        ids, n, limit = list(accepted_ids), self.key_size, block_size - 1
+        history = ids[:-1]
+        if len(history) <= n + limit + 1:
+            return drafted
+        starts = [j for j in range(1, len(ids) - n - 1) if ids[j : j + n] == ids[-n:]]
+        span = history[starts[-1] + n :][:limit] if starts else []
+        return Draft(tokens=span) if len(span) >= n else drafted
 
 
 def test_ngram_then_dflash_exact_equals_real_decoding(setup, tokenizer):
@@ -463,7 +511,7 @@ def test_ngram_then_dflash_exact_equals_real_decoding(setup, tokenizer):
 
     def make_proposer(prompt, reference):
         dflash = DFlashProposer(drafter, embed, head, config.block_size, config.mask_token_id)
-        return LookupThenDrafter(dflash, 3, min_match)
+        return LookupThenDrafter(dflash, min_match)
 
     method = Method("ngram+dflash", make_proposer, block_size=BLOCK, target_layer_ids=tuple(LAYER_IDS))
     common = dict(max_new_tokens=MAX_NEW, eos_token_ids=eos)
@@ -478,6 +526,7 @@ def test_ngram_then_dflash_exact_equals_real_decoding(setup, tokenizer):
     assert want["lossless"] is True
     assert got["per_request_tau"] == pytest.approx(want["per_request_tau"], abs=1e-9)
     assert got["accept_length_histogram"] == want["accept_length_histogram"]
+    assert got["per_position_acceptance"] == pytest.approx(want["per_position_acceptance"], abs=1e-12)
     # The three methods differ here, so the comparison above checks which proposal each round used.
     taus = {name: exact["methods"][name]["tau"] for name in ("dflash", "ngram", "ngram+dflash")}
     assert len({round(t, 9) for t in taus.values()}) == 3, taus
@@ -499,12 +548,18 @@ def test_eval_command_reports_the_diagnosis_and_the_combination(tiny_qwen3_dir, 
     base = ["eval", "--target", str(tiny_qwen3_dir), "--drafter", str(tmp_path / "drafter"),
             "--prompts", str(tmp_path / "p.jsonl"), "--max-new-tokens", "30", "--device", "cpu",
             "--no-progress", "--json"]  # fmt: skip
-    assert main([*base, "--baseline", "ngram", "--ngram-min-match", "2"]) == 0
+    export = ["--output-dir", str(tmp_path / "drafter")]  # the export itself: its SERVING.md is rewritten
+    assert (
+        main([*base, "--baseline", "ngram", "--ngram-min-match", "2", "--ngram-max-draft", "5", *export]) == 0
+    )
     out = capsys.readouterr().out
     result = json.loads(out.strip().splitlines()[-1])
+    notes = (tmp_path / "drafter" / "SERVING.md").read_text()
+    assert f"{result['ngram_dflash_tau']:.3f} with ngram-simple first" in notes
+    assert "--spec-ngram-simple-size-n 2 --spec-ngram-simple-size-m 5" in notes
     assert list(result["methods"]) == ["dflash", "ngram", "ngram+dflash"]
     assert result["ngram_dflash_tau"] == result["methods"]["ngram+dflash"]["tau"]
-    assert result["ngram_min_match"] == 2 and result["ngram_n"] == 3
+    assert result["ngram_min_match"] == 2 and result["ngram_n"] == 3 and result["ngram_max_draft"] == 5
     diagnosis = result["diagnosis"]
     assert result["random_anchor_tau"] == diagnosis["random_anchor_tau"] >= 1.0
     assert diagnosis["groups"]["rounds"]["blocks"] == result["methods"]["dflash"]["rounds"]
@@ -520,3 +575,5 @@ def test_eval_command_reports_the_diagnosis_and_the_combination(tiny_qwen3_dir, 
     assert result["diagnosis"] is None and result["random_anchor_tau"] is None
     assert main([*base, "--baseline", "ngram", "--ngram-min-match", "0"]) == 1
     assert "ngram_min_match=0: use >= 1" in capsys.readouterr().err
+    assert main([*base, "--baseline", "ngram", "--ngram-max-draft", "-1"]) == 1
+    assert "ngram_max_draft=-1: use >= 0" in capsys.readouterr().err

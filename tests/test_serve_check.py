@@ -26,6 +26,8 @@ import torch
 
 from dflash_train.eval import llama_cpp
 from dflash_train.eval.serve_check import MIN_ACCEPTED_TO_JUDGE, ServeCheckOptions, run_serve_check
+from dflash_train.models.drafter_config import DFlashDraftConfig
+from dflash_train.models.serving import serving_flags
 
 BLOCK = 4
 LAYER_IDS = [0, 2]
@@ -35,10 +37,10 @@ pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 FAKE_HELP = """-m, --model FNAME  -md, --spec-draft-model FNAME  --spec-type [none|draft-dflash|ngram-simple|ngram-mod]
 --spec-draft-n-max N  --spec-draft-p-min P  --jinja, --no-jinja  -c, --ctx-size N  -t, --threads N
--np, --parallel N  --host HOST  --port PORT"""
+--spec-ngram-simple-size-n N  --spec-ngram-simple-size-m N  -np, --parallel N  --host HOST  --port PORT"""
 
-# Speaks the llama-server routes serve-check uses. Per --spec-type: accepted drafts per request and
-# the text it answers; FAIL_CHAT / FAIL_START make it answer 500 / exit while loading, HANG / DROP make
+# Speaks the llama-server routes serve-check uses. Per --spec-type: accepted drafts per request (5 for
+# an n-gram type before the drafter, "ngram-simple,draft-dflash") and the text it answers; FAIL_CHAT / FAIL_START make it answer 500 / exit while loading, HANG / DROP make
 # it hang on a chat request / reset its connection, COUNTS=all-accepted reports every draft accepted
 # (what builds that count only fully accepted rounds report on a recurrent target).
 FAKE_SERVER = """
@@ -52,7 +54,7 @@ with open(os.path.join(record, spec + ".json"), "w") as f:
     json.dump({"argv": args, "pid": os.getpid()}, f)
 if os.environ.get("FAKE_FAIL_START") == spec:
     print("error: failed to load the draft model"); sys.exit(3)
-accepted = {"plain": 0, "draft-dflash": 4, "ngram-simple": 2, "ngram-mod": 0}[spec]
+accepted = {"plain": 0, "draft-dflash": 4, "ngram-simple": 2, "ngram-mod": 0}.get(spec, 5)
 text = "a changed reply" if spec == "ngram-mod" else "the same reply"
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -175,10 +177,35 @@ def assert_stopped(pid: int) -> None:
 def test_serve_check_reads_the_engine_and_compares_it_with_the_eval(fake_llama, tiny_export, tmp_path):
     result = run_serve_check(fake_options(fake_llama, tiny_export, tmp_path))
     started = servers_started(fake_llama["record"])
-    assert set(started) == {"plain", "draft-dflash", "ngram-simple", "ngram-mod"}
+    combined = {"ngram-simple,draft-dflash", "ngram-mod,draft-dflash"}
+    assert set(started) == {"plain", "draft-dflash", "ngram-simple", "ngram-mod", *combined}
     work = tmp_path / "work"
     dflash = started["draft-dflash"]["argv"]
     assert dflash[dflash.index("--spec-draft-n-max") + 1] == str(BLOCK - 1)
+    assert dflash[dflash.index("--spec-draft-p-min") + 1] == "0"  # a block is never cut short
+    for name in combined:  # the drafter's flags, the n-gram type first in one --spec-type list
+        argv = started[name]["argv"]
+        assert argv[argv.index("-md") + 1] == str(work / "draft-f32.gguf")
+        assert argv[argv.index("--spec-draft-n-max") + 1] == str(BLOCK - 1)
+        assert argv[argv.index("--spec-draft-p-min") + 1] == "0"
+    # ngram-simple, alone and first, with the eval's key size 3 and at most B-1 tokens per lookup round.
+    for name in ("ngram-simple", "ngram-simple,draft-dflash"):
+        argv = started[name]["argv"]
+        assert argv[argv.index("--spec-ngram-simple-size-n") + 1] == "3"
+        assert argv[argv.index("--spec-ngram-simple-size-m") + 1] == str(BLOCK - 1)
+    assert "--spec-ngram-simple-size-n" not in started["ngram-mod,draft-dflash"]["argv"]
+    # SERVING.md's combined llama-server line carries exactly the flags this run had.
+    config = DFlashDraftConfig.from_serving_dict(
+        json.loads(Path(tiny_export["export"], "config.json").read_text())
+    )
+    line = serving_flags(config, tiny_export["export"])["llama_cpp_combined"].split()
+    served, argv = (
+        line[line.index("-md") + 2 : line.index("--jinja")],
+        started["ngram-simple,draft-dflash"]["argv"],
+    )
+    assert {k: v for k, v in zip(served[::2], served[1::2])} == {
+        k: argv[argv.index(k) + 1] for k in served[::2]
+    }
     assert dflash[dflash.index("-md") + 1] == str(work / "draft-f32.gguf")
     assert dflash[dflash.index("-m") + 1] == str(work / "target-f32.gguf")  # the HF target, converted
     assert dflash[dflash.index("--host") + 1] == "127.0.0.1" and "--jinja" in dflash
@@ -192,7 +219,19 @@ def test_serve_check_reads_the_engine_and_compares_it_with_the_eval(fake_llama, 
     assert result["engine_tau"] == pytest.approx(2.0)
     assert result["engine_ngram_simple_tau"] == pytest.approx(8 / 6)
     assert result["engine"]["draft-dflash"]["accepted"] == 2 * 4 and result["num_prompts"] == 2
-    assert result["engine_lossless"] == {"draft-dflash": "2/2", "ngram-simple": "2/2", "ngram-mod": "0/2"}
+    # The combination: 5 accepted of 9 tokens -> 8 / 3, beside the eval's ngram+dflash.
+    assert result["engine_ngram_dflash_tau"] == pytest.approx(8 / 3)
+    assert result["engine_ngram_simple_draft_dflash_tau"] == result["engine_ngram_dflash_tau"]
+    assert 1.0 <= result["eval_ngram_dflash_tau"] <= BLOCK
+    assert result["ngram_lookup"] == {"key_size": 3, "max_draft": BLOCK - 1}
+    assert set(result["engine_tokens_per_s"]) == {"plain", "draft-dflash", "ngram-simple", "ngram-mod"} | {
+        "ngram-simple+draft-dflash",
+        "ngram-mod+draft-dflash",
+    }
+    assert result["engine_lossless"] == {
+        "draft-dflash": "2/2", "ngram-simple": "2/2", "ngram-mod": "0/2",
+        "ngram-simple+draft-dflash": "2/2", "ngram-mod+draft-dflash": "2/2",
+    }  # fmt: skip
     assert result["prompt_tokens_equal"] == "0/2"  # the stand-in renders other tokens than the HF tokenizer
     assert 1.0 <= result["eval_tau"] <= BLOCK and result["eval_ngram_tau"] >= 1.0
     assert json.loads((work / "serve_check.json").read_text())["engine_tau"] == result["engine_tau"]
@@ -272,7 +311,7 @@ def test_finished_runs_are_saved_as_they_finish(fake_llama, tiny_export, tmp_pat
 
     monkeypatch.setattr(llama_cpp.LlamaServer, "__enter__", entering)
     result = run_serve_check(fake_options(fake_llama, tiny_export, tmp_path, ngram_types=["ngram-simple"]))
-    assert seen == [[], ["plain"], ["draft-dflash", "plain"]]
+    assert seen == [[], ["plain"], ["draft-dflash", "plain"], ["draft-dflash", "ngram-simple", "plain"]]
     saved = json.loads((tmp_path / "work" / "serve_check.json").read_text())
     assert saved["status"] == "complete" and saved["engine_tau"] == result["engine_tau"]
 
@@ -368,6 +407,26 @@ def test_a_build_without_dflash_is_refused_by_its_help():
     llama_cpp.check_server_supports(FAKE_HELP, ["--spec-draft-n-max", "-md"], ["draft-dflash", "ngram-mod"])
 
 
+def test_the_lookup_sizes_reach_the_engine_and_the_eval_and_an_old_build_is_refused(
+    fake_llama, tiny_export, tmp_path, monkeypatch, capsys
+):
+    options = fake_options(fake_llama, tiny_export, tmp_path, ngram_types=["ngram-simple"])
+    options.ngram_min_match, options.ngram_max_draft = 1, 6
+    result = run_serve_check(options)
+    argv = servers_started(fake_llama["record"])["ngram-simple,draft-dflash"]["argv"]
+    assert argv[argv.index("--spec-ngram-simple-size-n") + 1] == "1"
+    assert argv[argv.index("--spec-ngram-simple-size-m") + 1] == "6"
+    assert result["ngram_lookup"] == {"key_size": 1, "max_draft": 6}
+    saved = json.loads((tmp_path / "work" / "serve_check.json").read_text())
+    assert saved["eval_ngram_dflash_tau"] == result["eval_ngram_dflash_tau"] >= 1.0
+    assert "eval ngram+dflash" in capsys.readouterr().err
+    monkeypatch.setenv("FAKE_HELP", FAKE_HELP.replace("--spec-ngram-simple-size-m N", ""))
+    with pytest.raises(llama_cpp.LlamaCppError, match="does not know.*--spec-ngram-simple-size-m"):
+        run_serve_check(fake_options(fake_llama, tiny_export, tmp_path, ngram_types=["ngram-simple"]))
+    with pytest.raises(ValueError, match="ngram_max_draft=-1"):
+        fake_options(fake_llama, tiny_export, tmp_path, ngram_max_draft=-1)
+
+
 def test_a_gguf_target_needs_its_hf_directory(tmp_path):
     gguf = tmp_path / "target.gguf"
     gguf.write_bytes(b"GGUF")
@@ -451,7 +510,7 @@ def test_engine_acceptance_far_below_the_eval_is_flagged_once_it_can_be_judged(
     eval_side = {
         "dflash": [generation], "ngram": [generation], "greedy_texts": ["text"], "target_recurrent": False,
     }  # fmt: skip
-    options = SimpleNamespace(max_new_tokens=32)  # all compare reads of the options
+    options = SimpleNamespace(max_new_tokens=32, ngram_min_match=3, ngram_max_draft=0)  # what compare reads
     result = compare(options, 4, [ServePrompt("p:1", [], [1, 2, 3])], runs, eval_side)
     assert result["engine_far_from_eval"] is far
     assert result["eval"]["dflash"]["accepted"] == eval_accepted

@@ -134,6 +134,35 @@ def test_export_writes_the_exact_serving_flags(tmp_path):
     assert f"--speculative-draft-model-path {out.resolve()}" in notes
     assert '"method": "dflash"' in notes and '"num_speculative_tokens": 3' in notes
     assert "VLLM_USE_V2_MODEL_RUNNER=1 vllm serve org/target" in notes  # mixed layer types
+    # llama.cpp: the full block (p-min 0), alone and after its ngram-simple lookup, whose defaults
+    # are the eval's (key 3, at most B-1 tokens); without the eval's numbers, how to get them.
+    assert "--spec-type draft-dflash --spec-draft-n-max 3 --spec-draft-p-min 0 --jinja" in notes
+    combined = (
+        "--spec-type ngram-simple,draft-dflash --spec-draft-n-max 3 --spec-draft-p-min 0 "
+        "--spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 3 --jinja"
+    )
+    assert combined in notes and "Measure it on yours" in notes and "--baseline ngram" in notes
+
+
+@pytest.mark.parametrize(
+    ("combined_tau", "pick"), [(3.1, "Serve the combination: 1.24x"), (2.4, "drafter alone")]
+)
+def test_serving_md_states_the_evals_numbers_and_picks(tmp_path, combined_tau, pick):
+    """``eval.json`` of ``dflash-train eval --baseline ngram`` in the export: SERVING.md serves the
+    lookup the eval simulated and recommends the combination only where it raised tau."""
+    config = tiny_drafter_config()
+    out = tmp_path / "export"
+    out.mkdir()
+    record = {"tau": 2.5, "ngram_tau": 2.0, "ngram_dflash_tau": combined_tau, "num_prompts": 300}
+    (out / "eval.json").write_text(json.dumps({**record, "ngram_min_match": 4, "ngram_max_draft": 7}))
+    notes = (save_drafter(DFlashDrafter(config), config, out) / "SERVING.md").read_text()
+    assert "--spec-ngram-simple-size-n 4 --spec-ngram-simple-size-m 7" in notes
+    assert f"tau 2.500 with the drafter alone, {combined_tau:.3f} with ngram-simple first" in notes
+    assert "2.000 with the eval's n-gram lookup alone" in notes and "300 prompts" in notes
+    assert pick in notes and "Measure it on yours" not in notes
+    (out / "eval.json").write_text(json.dumps({**record, "ngram_dflash_tau": None}))  # no --baseline ngram
+    notes = (save_drafter(DFlashDrafter(config), config, out) / "SERVING.md").read_text()
+    assert "Measure it on yours" in notes and "--spec-ngram-simple-size-n 3" in notes
 
 
 def test_all_full_layers_need_no_v2_runner_and_warnings_are_written(tmp_path):

@@ -35,22 +35,47 @@ def anchor_keys(seed: int, epoch: int, sample_index: torch.Tensor, length: int) 
 
 
 def sample_anchors(
-    loss_mask: torch.Tensor, num_anchors: int, seed: int, epoch: int, sample_index: torch.Tensor
+    loss_mask: torch.Tensor,
+    num_anchors: int,
+    seed: int,
+    epoch: int,
+    sample_index: torch.Tensor,
+    position_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample anchors for a batch: ``(anchors [R, A] long, keep [R, A] bool)``.
 
     ``loss_mask`` is [R, L] bool, ``sample_index`` [R] long (the global row index; filler rows
-    with -1 have an all-false mask and so get no anchors).
+    with -1 have an all-false mask and so get no anchors). ``position_weight`` [R, L-1] (>= 0, None =
+    uniform) draws proportionally to it instead (``weighted_keys``); weight 0 is never drawn.
     """
     num_rows, length = loss_mask.shape
     if num_anchors < 1 or length < 2:
         raise ValueError(f"sample_anchors needs num_anchors >= 1 and L >= 2, got A={num_anchors}, L={length}")
     valid = loss_mask[:, :-1] & loss_mask[:, 1:]  # [R, L-1]: position L-1 has no next token
     keys = anchor_keys(seed, epoch, sample_index, length - 1)
+    if position_weight is not None:
+        keys = weighted_keys(keys, position_weight)
     keys = torch.where(valid, keys, torch.full_like(keys, INT64_MAX))
     k = min(num_anchors, length - 1)
     smallest, positions = torch.topk(keys, k, dim=1, largest=False)  # [R, k]
     return ascending_padded(positions, smallest < INT64_MAX, length, num_anchors)
+
+
+def weighted_keys(keys: Tensor, weight: Tensor) -> Tensor:
+    """Keys whose A smallest are a draw without replacement with probabilities proportional to
+    ``weight`` (Efraimidis and Spirakis, 2006: the smallest E / w of independent E ~ Exp(1)).
+
+    E = -log(u) with u the uniform key scaled into (0, 1]; E / w is a non-negative float64, whose
+    bits read as int64 keep its order, so every caller keeps comparing int64 keys. Weight 0 gives
+    the invalid key: never drawn. Still a pure function of (seed, epoch, sample index, position) and
+    the weights.
+    """
+    uniform = (keys.to(torch.float64) + 0.5) / float(2**62)
+    exponential = -torch.log(uniform)
+    # A key rounding up to 2**62 gives -log(1) = -0.0, whose sign bit would read as the smallest key.
+    exponential = torch.where(exponential > 0, exponential, torch.zeros_like(exponential))
+    weighted = (exponential / weight.to(torch.float64).clamp(min=1e-300)).view(torch.int64)
+    return torch.where(weight > 0, weighted, torch.full_like(keys, INT64_MAX))
 
 
 def packed_anchor_keys(seed: int, epoch: int, token_sample_index: Tensor, position_ids: Tensor) -> Tensor:
@@ -74,6 +99,7 @@ def sample_packed_anchors(
     anchors_per_token: float,
     seed: int,
     epoch: int,
+    position_weight: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Anchors of packed rows, budgeted per conversation: ``(anchors [R, A], keep [R, A])``.
 
@@ -83,6 +109,7 @@ def sample_packed_anchors(
     conversation gets its first anchor before any gets its second (ties by key). So a short
     conversation is never starved by a long neighbour, and the row keeps exactly A slots.
     Fixed shapes, no host sync, a pure function of (seed, epoch, sample index, position).
+    ``position_weight`` [R, L-1] weights the draw inside each conversation as in ``sample_anchors``.
     """
     num_rows, length = loss_mask.shape
     if num_anchors < 1 or length < 2 or anchors_per_token <= 0:
@@ -93,6 +120,9 @@ def sample_packed_anchors(
     same = position_ids[:, 1:] == position_ids[:, :-1] + 1
     valid = loss_mask[:, :-1] & loss_mask[:, 1:] & same  # [R, L-1]
     keys = packed_anchor_keys(seed, epoch, token_sample_index, position_ids)[:, :-1]
+    if position_weight is not None:
+        keys = weighted_keys(keys, position_weight)
+        valid = valid & (position_weight > 0)
     keys = torch.where(valid, keys, torch.full_like(keys, INT64_MAX))
     segment = (position_ids == 0).long().cumsum(dim=1) - 1  # [R, L]: conversation (or tail) number
     rank = rank_within_segment(keys, segment[:, :-1])

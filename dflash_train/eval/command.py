@@ -4,7 +4,8 @@ Exact mode (the default at T = 0): batched greedy continuations, one feature pas
 pass, simulated rounds (``eval/exact.py``); the first ``decode_prompts`` prompts of each file are
 also decoded for real for the lossless verdict and tokens/s. Decode mode: every prompt is decoded
 round by round (``eval/runner.evaluate``). Either way the numbers are reported per prompt file and
-overall (``eval/report.py``).
+overall (``eval/report.py``). With ``--output-dir`` the export directory itself, its SERVING.md is
+rewritten with the numbers that choose between the drafter alone and llama.cpp's lookup first.
 """
 
 from __future__ import annotations
@@ -58,9 +59,28 @@ def run_eval(options: EvalOptions) -> dict[str, Any]:
         "tau_mode": options.resolved_tau_mode,
         "ngram_n": options.ngram_n,  # also the loop test of the diagnosis
         "ngram_min_match": options.ngram_min_match if "ngram+dflash" in options.exact_methods else None,
+        "ngram_max_draft": (
+            options.ngram_max_draft or drafter.config.num_verify_tokens - 1
+            if "ngram+dflash" in options.exact_methods
+            else None
+        ),
         **engine_fields(measured["decode_report"]),
     }
-    return finish_report(measured, files, options, drafter.config.num_verify_tokens, extra)
+    result = finish_report(measured, files, options, drafter.config.num_verify_tokens, extra)
+    refresh_serving_notes(options, drafter.config)
+    return result
+
+
+def refresh_serving_notes(options: EvalOptions, config) -> None:
+    """``--output-dir`` the drafter's export itself: rewrite its SERVING.md, which then states this
+    eval's numbers for llama.cpp's lookup-first combination (``models/serving.py``)."""
+    from dflash_train.models.serving import SERVING_NOTES_NAME, write_serving_notes
+
+    export = Path(options.drafter)
+    if not options.output_dir or Path(options.output_dir).resolve() != export.resolve():
+        return
+    if (export / SERVING_NOTES_NAME).is_file():
+        write_serving_notes(config, export, options.target)
 
 
 def measure(
@@ -165,6 +185,7 @@ def exact_mode(
         frozen, drafter, prompts, continuations,
         max_new_tokens=options.max_new_tokens, eos_token_ids=eos, methods=options.exact_methods,
         ngram_n=options.ngram_n, ngram_min_match=options.ngram_min_match,
+        ngram_max_draft=options.ngram_max_draft,
         ddtree_budget=options.ddtree_budget, ddtree_topk=options.ddtree_topk,
         drafter_batch_tokens=options.drafter_batch_tokens, pad_token_id=pad,
         on_progress=bars.exact_callback(len(prompts), options.exact_methods),

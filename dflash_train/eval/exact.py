@@ -232,6 +232,7 @@ def exact_measure(
     methods: Sequence[str] = ("dflash",),
     ngram_n: int = 3,
     ngram_min_match: int = 3,
+    ngram_max_draft: int = 0,
     ddtree_budget: int = 0,
     ddtree_topk: int = 8,
     drafter_batch_tokens: int = 65536,
@@ -241,9 +242,9 @@ def exact_measure(
 ) -> ExactResult:
     """Every method's simulated rounds on every prompt, and (``diagnose`` with ``dflash`` among
     ``methods``) the diagnosis of the DFlash drafts, loops judged by n-gram lookup with ``ngram_n``.
-    ``ngram_min_match`` is the shortest suffix match with which ``ngram+dflash`` drafts by lookup
-    (``simulate.simulate_ngram_then_dflash``). ``on_progress(phase, num_done, running_tau)``
-    reports progress."""
+    ``ngram_min_match`` and ``ngram_max_draft`` (0 = B-1) are the key size and the draft limit of
+    ``ngram+dflash``'s lookup (``simulate.simulate_ngram_then_dflash``: llama.cpp's ngram-simple).
+    ``on_progress(phase, num_done, running_tau)`` reports progress."""
     unknown = [m for m in methods if m not in EXACT_METHODS]
     if unknown:
         raise ValueError(f"unknown eval methods {unknown}; use some of {list(EXACT_METHODS)}")
@@ -283,6 +284,7 @@ def exact_measure(
             drafts,
             ngram_n=ngram_n,
             ngram_min_match=ngram_min_match,
+            ngram_max_draft=ngram_max_draft,
             ddtree_budget=ddtree_budget,
             on_progress=on_progress,
             **common,
@@ -342,6 +344,7 @@ def simulate_method(
     ngram_n: int,
     ddtree_budget: int,
     ngram_min_match: int = 3,
+    ngram_max_draft: int = 0,
     on_progress: Callable[[str, int, float | None], None] | None = None,
 ) -> list[Generation]:
     """Host simulation of ``method`` on every prompt (``eval/simulate.py``)."""
@@ -361,8 +364,8 @@ def simulate_method(
         elif method == "ngram+dflash":
             tokens = drafts[i].tokens.tolist()
             gen = simulate_ngram_then_dflash(
-                prompts[i], continuation, lambda out, t=tokens: t[out - 1], n=ngram_n,
-                min_match=ngram_min_match, **common,
+                prompts[i], continuation, lambda out, t=tokens: t[out - 1], key_size=ngram_min_match,
+                max_draft=ngram_max_draft, **common,
             )  # fmt: skip
         else:
             tokens = drafts[i].tokens.tolist()

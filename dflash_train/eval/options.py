@@ -32,9 +32,14 @@ class EvalOptions:
     baseline: str = "none"
     # n of the n-gram baseline (and of the loop test of the exact-mode diagnosis).
     ngram_n: int = 3
-    # Exact mode with --baseline ngram also reports ``ngram+dflash``: a round drafts by prompt lookup
-    # when a suffix of at least this many tokens recurs, else with the drafter (docs/evaluation.md).
+    # Exact mode with --baseline ngram also reports ``ngram+dflash``, by llama.cpp's rule for
+    # ``--spec-type ngram-simple,draft-dflash`` (docs/evaluation.md): a round drafts by prompt lookup
+    # when the last this-many tokens occurred earlier (``--spec-ngram-simple-size-n``), else with the
+    # drafter.
     ngram_min_match: int = 3
+    # ... and copies at most this many tokens per lookup round (``--spec-ngram-simple-size-m``);
+    # 0 = the drafter's B-1.
+    ngram_max_draft: int = 0
     # Tree drafting (DDTree) with this many nodes; 0 = chain only.
     ddtree_budget: int = 0
     # Candidates per draft position when growing the DDTree.
@@ -91,7 +96,8 @@ class EvalOptions:
         for name in ("max_new_tokens", "ngram_n", "ngram_min_match", "ddtree_topk", "drafter_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: use >= 1")
-        for name in ("num_prompts", "ddtree_budget", "decode_prompts", "batch_size", "max_bad_rows"):
+        non_negative = ("num_prompts", "ddtree_budget", "decode_prompts", "batch_size", "max_bad_rows")
+        for name in (*non_negative, "ngram_max_draft"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)}: use >= 0")
         if self.temperature < 0:

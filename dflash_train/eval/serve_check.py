@@ -1,11 +1,14 @@
 """``dflash-train serve-check``: the export decoded by a real engine (llama.cpp), next to the exact eval.
 
 The export is converted with llama.cpp's own ``convert_hf_to_gguf.py --target-model-dir``, and
-``llama-server`` decodes the prompts greedily (OpenAI chat API, temperature 0) four ways: plainly,
-with the drafter (``--spec-type draft-dflash --spec-draft-n-max B-1``) and with the engine's n-gram
-prompt lookup (``ngram-simple``, ``ngram-mod``). The engine's tau (from ``draft_n`` /
-``draft_n_accepted``) is printed next to the project's exact tau on the same prompts and target
-weights (the HF directory the GGUF was made from, or dequantized from), and every speculative run's
+``llama-server`` decodes the prompts greedily (OpenAI chat API, temperature 0): plainly, with the
+drafter (``--spec-type draft-dflash --spec-draft-n-max B-1 --spec-draft-p-min 0``), with each of the
+engine's n-gram prompt lookups (``ngram-simple``, ``ngram-mod``) alone, and with each of them before
+the drafter (``--spec-type ngram-simple,draft-dflash``; ``eval/serve_runs.py``). The engine's tau (from
+``draft_n`` / ``draft_n_accepted``) and tokens/s are printed next to the project's exact tau on the
+same prompts and target weights (the HF directory the GGUF was made from, or dequantized from): the
+drafter's beside the eval's ``dflash``, ngram-simple's combination beside the eval's ``ngram+dflash``
+(which simulates llama.cpp's rule with the same key size and draft limit). Every speculative run's
 output is compared with the plain run's (an engine must be lossless at temperature 0).
 
 What makes the numbers comparable, and what does not: the engine renders the prompt with the GGUF's
@@ -41,11 +44,13 @@ import torch
 from dflash_train.eval import llama_cpp
 from dflash_train.eval.prompts import PromptFile
 from dflash_train.eval.serve_prompts import ServePrompt, load_serve_prompts
+from dflash_train.eval.serve_runs import COMBINED, engine_configurations, engine_runs
 from dflash_train.eval.summary import ratio, summarize_rounds
 
 NGRAM_TYPES = ("ngram-simple", "ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache")
 SERVER_FLAGS = ("-m", "-md", "--spec-type", "--spec-draft-n-max", "--spec-draft-p-min", "--jinja")
 SERVER_FLAGS += ("--ctx-size", "--threads", "--parallel", "--host", "--port")
+LOOKUP_FLAGS = ("--spec-ngram-simple-size-n", "--spec-ngram-simple-size-m")  # with ngram-simple
 # The engine's acceptance counts as far from the eval's below this fraction of it (docs/training.md),
 # judged only once the eval accepted enough drafts that an engine at 0 is no accident (P ~ e^-5).
 FAR_FRACTION = 0.5
@@ -67,8 +72,13 @@ class ServeCheckOptions:
     prompts: list[str] = field(default_factory=list)
     num_prompts: int = 8
     max_new_tokens: int = 64
-    # The engine's n-gram speculative types run on the same prompts (empty = none).
+    # The engine's n-gram speculative types run on the same prompts, alone and before the drafter
+    # (empty = none).
     ngram_types: list[str] = field(default_factory=lambda: ["ngram-simple", "ngram-mod"])
+    # ngram-simple's key size and draft limit (0 = B-1), in the engine and in the eval's ngram+dflash:
+    # eval's --ngram-min-match / --ngram-max-draft, llama-server's --spec-ngram-simple-size-n / -m.
+    ngram_min_match: int = 3
+    ngram_max_draft: int = 0
     llama_server: str = ""  # default: $DFLASH_LLAMA_SERVER, then llama-server on PATH
     llama_convert: str = ""  # default: $DFLASH_LLAMA_CONVERT
     # Where the GGUF files, server logs and serve_check.json go (default: a temporary directory).
@@ -98,9 +108,11 @@ class ServeCheckOptions:
         unknown = [t for t in self.ngram_types if t not in NGRAM_TYPES]
         if unknown:
             raise ValueError(f"--ngram-types {unknown}: use llama.cpp's n-gram types {list(NGRAM_TYPES)}")
-        for name in ("num_prompts", "max_new_tokens", "threads", "ctx_size"):
+        for name in ("num_prompts", "max_new_tokens", "threads", "ctx_size", "ngram_min_match"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: use >= 1")
+        if self.ngram_max_draft < 0:
+            raise ValueError(f"ngram_max_draft={self.ngram_max_draft}: use >= 0 (0 = the drafter's B-1)")
 
 
 class ServeCheckRecord:
@@ -145,8 +157,9 @@ def run_serve_check(options: ServeCheckOptions) -> dict[str, Any]:
     """Convert, serve, decode and compare; returns the flat result (also ``WORKDIR/serve_check.json``)."""
     server = llama_cpp.find_llama_server(options.llama_server)
     converter = llama_cpp.find_converter(options.llama_convert)
+    flags = SERVER_FLAGS + (LOOKUP_FLAGS if "ngram-simple" in options.ngram_types else ())
     llama_cpp.check_server_supports(
-        llama_cpp.server_help(server), SERVER_FLAGS, ["draft-dflash", *options.ngram_types]
+        llama_cpp.server_help(server), flags, ["draft-dflash", *options.ngram_types]
     )
     with tempfile.TemporaryDirectory(prefix="dflash-serve-check-") as scratch:
         workdir = Path(options.workdir or scratch)
@@ -184,12 +197,14 @@ def serve_and_compare(
         target_recurrent=eval_side["target_recurrent"],
         eval_tau=dflash_eval["tau"],
         eval_ngram_tau=eval_numbers(eval_side["ngram"], block_size)["tau"],
+        eval_ngram_dflash_tau=eval_numbers(eval_side["ngram+dflash"], block_size)["tau"],
         eval={"dflash": dflash_eval},
     )
-    spec_type = export_spec_type(export)
-    runs = engine_runs(
-        options, server, target_gguf, draft_gguf, block_size, prompts, workdir, record, spec_type
+    lookup = (options.ngram_min_match, options.ngram_max_draft or block_size - 1)
+    configurations = engine_configurations(
+        export_spec_type(export), draft_gguf, block_size - 1, options.ngram_types, lookup
     )
+    runs = engine_runs(options, server, target_gguf, configurations, prompts, workdir, record)
     result = compare(options, block_size, prompts, runs, eval_side)
     result.update(locations)
     record.update(status="complete", **result)
@@ -234,8 +249,8 @@ def target_gguf_file(options: ServeCheckOptions, converter: Path, workdir: Path)
 
 
 def exact_eval(options: ServeCheckOptions, export: Path) -> dict[str, Any]:
-    """The project's exact eval (fp32) on the same prompts: DFlash and n-gram generations, and the
-    prompts themselves."""
+    """The project's exact eval (fp32) on the same prompts: DFlash, n-gram and ngram+dflash
+    generations, and the prompts themselves."""
     from dflash_train.eval.command import check_drafter_fits, load_eval_drafter, load_eval_target, measure
     from dflash_train.eval.options import EvalOptions
     from dflash_train.eval.target_session import decoder_layers
@@ -249,6 +264,7 @@ def exact_eval(options: ServeCheckOptions, export: Path) -> dict[str, Any]:
     eval_options = EvalOptions(
         target=options.target_hf, drafter=str(export), prompts=list(options.prompts),
         max_new_tokens=options.max_new_tokens, baseline="ngram", dtype="float32",
+        ngram_min_match=options.ngram_min_match, ngram_max_draft=options.ngram_max_draft,
         device=options.device, progress=False,
     )  # fmt: skip
     generations = measure(target_model, frozen, tokenizer, drafter, files, eval_options)["generations"]
@@ -257,50 +273,9 @@ def exact_eval(options: ServeCheckOptions, export: Path) -> dict[str, Any]:
         "prompts": [p for ps in prompt_files for p in ps],
         "dflash": generations["dflash"],
         "ngram": generations["ngram"],
+        "ngram+dflash": generations["ngram+dflash"],
         "greedy_texts": [tokenizer.decode(g.tokens, skip_special_tokens=True) for g in generations["dflash"]],
     }
-
-
-def engine_runs(
-    options: ServeCheckOptions, server: Path, target_gguf: Path, draft_gguf: Path, block_size: int,
-    prompts: Sequence[ServePrompt], workdir: Path, record: ServeCheckRecord, spec_type: str = "draft-dflash",
-) -> dict[str, dict[str, Any]]:  # fmt: skip
-    """Per engine run (plain, draft-dflash, each n-gram type): its completions, recorded as the run
-    finishes; the plain run also reads the engine's prompt tokens. The drafter's run is named
-    draft-dflash whatever ``spec_type`` it passes (``draft-dspark`` for a DSpark export)."""
-    common = ["-m", str(target_gguf), "--jinja", "--ctx-size", str(options.ctx_size)]
-    common += ["--threads", str(options.threads), "--parallel", "1"]
-    dflash = ["-md", str(draft_gguf), "--spec-type", spec_type]
-    dflash += ["--spec-draft-n-max", str(block_size - 1), "--spec-draft-p-min", "0"]
-    configurations = {
-        "plain": [],
-        "draft-dflash": dflash,
-        **{t: ["--spec-type", t] for t in options.ngram_types},
-    }
-    runs = {}
-    for name, extra in configurations.items():
-        print(f"serve-check: llama-server {name} on {len(prompts)} prompts", file=sys.stderr)
-        log = workdir / f"llama-server-{name}.log"
-        with llama_cpp.LlamaServer(server, [*common, *extra], log, options.startup_timeout_s) as running:
-            completions = [
-                llama_cpp.chat_completion(
-                    running, p.messages, options.max_new_tokens, options.request_timeout_s
-                )
-                for p in prompts
-            ]
-            tokens = (
-                [llama_cpp.prompt_token_ids(running, p.messages, options.request_timeout_s) for p in prompts]
-                if name == "plain"
-                else None
-            )
-        runs[name] = {
-            "completions": completions,
-            "prompt_tokens": tokens,
-            "command": running.command,
-            "log": log,
-        }
-        record.add_run(name, runs[name])
-    return runs
 
 
 def engine_numbers(completions: Sequence[llama_cpp.Completion]) -> dict[str, Any]:
@@ -385,6 +360,8 @@ def compare(
     same_prompt = [t == p.ids and n == len(p.ids) for t, n, p in zip(server_tokens, prompt_counts, prompts)]
     dflash_eval = eval_numbers(eval_side["dflash"], block_size)
     dflash_engine = engine["draft-dflash"]
+    combined = eval_side.get("ngram+dflash")
+    lookup_engine = engine.get(f"ngram-simple{COMBINED}", {})
     far = None  # refused, or too few accepted drafts in the eval to judge
     if dflash_engine["acceptance_rate"] is not None and dflash_eval["accepted"] >= MIN_ACCEPTED_TO_JUDGE:
         far = dflash_engine["acceptance_rate"] < FAR_FRACTION * dflash_eval["acceptance_rate"]
@@ -403,8 +380,15 @@ def compare(
         "engine_greedy_equals_eval": f"{sum(a == b for a, b in zip(plain, eval_side['greedy_texts']))}/{len(prompts)}",
         "prompt_tokens_equal": f"{sum(same_prompt)}/{len(prompts)}",
         "eval_ngram_tau": eval_numbers(eval_side["ngram"], block_size)["tau"],
+        # llama.cpp's ngram-simple first, the drafter otherwise, beside the eval's simulation of it.
+        "engine_ngram_dflash_tau": lookup_engine.get("tau"),
+        "eval_ngram_dflash_tau": None if combined is None else eval_numbers(combined, block_size)["tau"],
+        "ngram_lookup": {
+            "key_size": options.ngram_min_match,
+            "max_draft": options.ngram_max_draft or block_size - 1,
+        },
         **{
-            f"engine_{name.replace('-', '_')}_tau": n["tau"]
+            f"engine_{name.replace('-', '_').replace('+', '_')}_tau": n["tau"]
             for name, n in engine.items()
             if name != "draft-dflash"
         },
@@ -421,20 +405,23 @@ def compare(
 
 def print_table(result: dict[str, Any]) -> None:
     """The engine's numbers next to the eval's, one line per decoding, on stderr."""
-    n = result["num_prompts"]
+    n, width = result["num_prompts"], max(14, *(len(name) for name in result["engine"]))
+    eval_taus = {
+        "draft-dflash": result["eval_tau"],
+        f"ngram-simple{COMBINED}": result["eval_ngram_dflash_tau"],
+    }
     lines = [
         "",
         f"serve-check: {n} prompts x {result['max_new_tokens']} tokens, block {result['block_size']}",
-        f"{'decoding':<14}  {'engine tau':>10}  {'eval tau':>8}  {'accepted/drafted':>18}  {'lossless':>8}  {'tok/s':>7}",
+        f"{'decoding':<{width}}  {'engine tau':>10}  {'eval tau':>8}  {'accepted/drafted':>18}  {'lossless':>8}  {'tok/s':>7}",
     ]
     lines.append(
-        f"{'plain':<14}  {'':>10}  {'':>8}  {'':>18}  {'':>8}  {result['engine_tokens_per_s']['plain']:>7.1f}"
+        f"{'plain':<{width}}  {'':>10}  {'':>8}  {'':>18}  {'':>8}  {result['engine_tokens_per_s']['plain']:>7.1f}"
     )
     for name, numbers in result["engine"].items():
-        eval_tau = result["eval_tau"] if name == "draft-dflash" else None
         counts = f"{numbers['accepted']}/{numbers['drafted']}"
         lines.append(
-            f"{name:<14}  {_fmt(numbers['tau']):>10}  {_fmt(eval_tau):>8}  {counts:>18}  "
+            f"{name:<{width}}  {_fmt(numbers['tau']):>10}  {_fmt(eval_taus.get(name)):>8}  {counts:>18}  "
             f"{numbers['same_as_plain']}/{n:<6}  {numbers['tokens_per_s']:>7.1f}"
         )
     lines += [
@@ -442,10 +429,15 @@ def print_table(result: dict[str, Any]) -> None:
     ]
     eval_dflash = result["eval"]["dflash"]
     lines.append(
-        f"{'eval dflash':<14}  {'':>10}  {_fmt(result['eval_tau']):>8}  "
+        f"{'eval dflash':<{width}}  {'':>10}  {_fmt(result['eval_tau']):>8}  "
         f"{eval_dflash['accepted']}/{eval_dflash['drafted']:<10}"
     )
-    lines.append(f"{'eval ngram':<14}  {'':>10}  {_fmt(result['eval_ngram_tau']):>8}")
+    lines.append(f"{'eval ngram':<{width}}  {'':>10}  {_fmt(result['eval_ngram_tau']):>8}")
+    lookup = result["ngram_lookup"]
+    lines.append(
+        f"{'eval ngram+dflash':<{width}}  {'':>10}  {_fmt(result['eval_ngram_dflash_tau']):>8}  "
+        f"(ngram-simple key {lookup['key_size']}, at most {lookup['max_draft']} tokens, as the engine ran it)"
+    )
     lines.append(
         f"plain engine greedy == eval greedy: {result['engine_greedy_equals_eval']}; "
         f"prompt tokens equal: {result['prompt_tokens_equal']}"

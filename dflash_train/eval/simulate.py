@@ -14,8 +14,9 @@ EOS token, and a round stops accepting right after an EOS draft (``acceptance.st
 DDTree walks the tree built from the drafter's top-K (``ddtree.build_tree``) along ``C``: the child
 whose token is the next continuation token is the one the target's greedy choice would select.
 
-``simulate_ngram_then_dflash`` is the combination serving engines run (prompt lookup when a long
-enough suffix recurs, the drafter's block otherwise), simulated the same way.
+``simulate_ngram_then_dflash`` is the combination llama.cpp serves with ``--spec-type
+ngram-simple,draft-dflash`` (its prompt lookup when that proposes a draft, the drafter's block
+otherwise), simulated the same way.
 
 Each function returns a ``speculative.Generation`` (tokens = the continuation, wall time 0), so
 exact and decode mode are summarised by the same code.
@@ -28,6 +29,7 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 
 from dflash_train.eval.ddtree import build_tree
+from dflash_train.eval.ngram_simple import NgramSimpleIndex
 from dflash_train.eval.speculative import Generation
 
 # out -> the B-1 draft tokens of the round that starts with ``out`` tokens emitted.
@@ -137,19 +139,14 @@ class NgramIndex:
         self.indexed = 0  # n-grams ending before this index are in ``latest``
 
     def lookup(self, length: int, max_tokens: int) -> list[int]:
-        """The continuation the proposer finds for ``ids[:length]`` (empty if no match)."""
-        return self.match(length, max_tokens)[1]
-
-    def match(self, length: int, max_tokens: int, min_size: int = 1) -> tuple[int, list[int]]:
-        """``(size, continuation)``: the longest suffix of ``ids[:length]`` of ``min_size`` .. n tokens
-        that occurred earlier, and what followed its most recent earlier occurrence (``lookup``'s
-        answer); ``(0, [])`` when no such suffix recurs."""
+        """The continuation the proposer finds for ``ids[:length]`` (empty if no match): what followed
+        the most recent earlier occurrence of its longest recurring suffix of n .. 1 tokens."""
         self._index_until(length - 1)
-        for size in range(min(self.n, length - 1), max(min_size, 1) - 1, -1):
+        for size in range(min(self.n, length - 1), 0, -1):
             start = self.latest[size].get(tuple(self.ids[length - size : length]))
             if start is not None:
-                return size, self.ids[start + size : min(start + size + max_tokens, length)]
-        return 0, []
+                return self.ids[start + size : min(start + size + max_tokens, length)]
+        return []
 
     def _index_until(self, end: int) -> None:
         assert end >= self.indexed, "NgramIndex only grows: look up increasing lengths"
@@ -195,37 +192,31 @@ def simulate_ngram_then_dflash(
     continuation: Sequence[int],
     drafts_at: DraftFn,
     *,
-    n: int,
-    min_match: int,
+    key_size: int,
     block_size: int,
     max_new_tokens: int,
     eos_token_ids: Collection[int],
+    max_draft: int = 0,
 ) -> Generation:
-    """Prompt lookup first, the drafter otherwise (method ``ngram+dflash``), as serving engines that
-    run prompt lookup before a neural drafter do.
+    """Prompt lookup first, the drafter otherwise (method ``ngram+dflash``), by llama.cpp's rule for
+    ``--spec-type ngram-simple,draft-dflash`` (``eval/ngram_simple.py``).
 
-    A round drafts the n-gram proposer's block when the longest suffix of ``prompt + C[:out]`` that
-    occurred earlier has at least ``min_match`` tokens (lookup over sizes ``max(n, min_match)`` down to
-    ``min_match``; the block is what followed its most recent occurrence, padded as the proposer
-    pads), and the drafter's block ``drafts_at(out)`` otherwise. With ``min_match <= n`` the n-gram
-    block is exactly the ``ngram`` method's block of that round whenever that method's match has at
-    least ``min_match`` tokens.
+    A round drafts ``ngram-simple``'s proposal for ``prompt + C[:out]`` (key size ``key_size``, at
+    most ``max_draft`` tokens, 0 = B-1; between ``key_size`` and ``max_draft`` tokens, unpadded) when
+    there is one, and the drafter's block ``drafts_at(out)`` otherwise; either is cut to the tokens
+    the request has left, minus one. A lookup round drafts (and can accept) more than B-1 tokens
+    when ``max_draft`` > B-1.
     """
-    if min_match < 1:
-        raise ValueError(f"min_match={min_match}: use >= 1 (the shortest suffix match that drafts by lookup)")
-    index = NgramIndex([*prompt, *continuation], max(n, min_match))
+    max_draft = max_draft or block_size - 1
+    index = NgramSimpleIndex([*prompt, *continuation], key_size, max_draft)
 
-    def draft(out: int) -> Sequence[int]:
-        size, span = index.match(len(prompt) + out, block_size - 1, min_size=min_match)
-        return padded_block(span, block_size) if size else drafts_at(out)
+    def accept(out: int, max_drafts: int) -> tuple[int, int]:
+        draft = index.draft(len(prompt) + out) or list(drafts_at(out))[: block_size - 1]
+        draft = draft[:max_drafts]
+        return len(draft), matched_prefix(draft, continuation, out, eos_token_ids)
 
-    return simulate_chain(
-        continuation,
-        draft,
-        block_size=block_size,
-        max_new_tokens=max_new_tokens,
-        eos_token_ids=eos_token_ids,
-    )
+    widest = max(block_size, max_draft + 1)  # the round: the last token and the longest draft
+    return _rounds(continuation, max_new_tokens, eos_token_ids, widest, accept)
 
 
 def round_starts(generation: Generation) -> list[int]:

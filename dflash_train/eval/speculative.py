@@ -117,7 +117,8 @@ def chain_round(
     num_accepted = stop_after_eos(tokens, num_accepted, eos_token_ids)  # the bonus is then past EOS
     session.commit(num_accepted + 1)
     features = None if verified.features is None else verified.features[: num_accepted + 1]
-    return Round(tokens[:num_accepted] + [bonus], num_drafts, num_accepted, features)
+    # A proposer may draft fewer than B-1 tokens (prompt lookup with a short match): count those drafted.
+    return Round(tokens[:num_accepted] + [bonus], len(tokens), num_accepted, features)
 
 
 def plain_round(

@@ -19,10 +19,12 @@ def summarize_rounds(generations: Sequence[Generation], block_size: int) -> dict
     tau: per request the mean of accepted + 1 over its rounds, then the mean over requests that
     had at least one round (a request that ended right after prefill, e.g. an immediate EOS, has
     no tau). per_position_acceptance[k-1]: among rounds that drafted position k, the fraction that
-    accepted it.
+    accepted it. Both lists cover block positions 1..B-1, or up to the longest draft where a round
+    drafted more (``ngram+dflash``'s lookup rounds may: ``simulate.simulate_ngram_then_dflash``).
     """
     accepted = [a for g in generations for a in g.num_accepted]
     drafted = [d for g in generations for d in g.num_drafted]
+    block_size = max([block_size, *(d + 1 for d in drafted)])
     with_rounds = [g for g in generations if g.num_rounds > 0]
     return {
         "tau": sum(g.tau for g in with_rounds) / len(with_rounds) if with_rounds else None,

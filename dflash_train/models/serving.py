@@ -16,6 +16,12 @@ serve with SGLang's ``DSPARK`` algorithm (``--speculative-num-draft-tokens B + 1
 drafts) and vLLM's ``dspark`` method (``num_speculative_tokens: B``), whose speculator also lives in
 the V2 model runner (``spec_decode/dspark``). These flags come from the engines' sources as read,
 not from a served run here (docs/training.md, "Serving the export").
+
+llama.cpp gets two lines, built by the functions ``serve-check`` runs them with: the drafter alone
+(``--spec-draft-p-min 0``: a block is never cut where the eval scores it whole), and its
+``ngram-simple`` prompt lookup first (``--spec-type ngram-simple,draft-dflash``), the configuration
+the eval's ``ngram+dflash`` simulates. Which one to serve depends on the prompts: SERVING.md states
+the eval's numbers and the pick where ``eval.json`` in the export has them, else how to measure.
 """
 
 from __future__ import annotations
@@ -26,19 +32,56 @@ from pathlib import Path
 from dflash_train.models.drafter_config import DFlashDraftConfig
 
 SERVING_NOTES_NAME = "SERVING.md"
+# llama.cpp's ngram-simple key size in the served combination: the eval's ``--ngram-min-match``
+# default, so that SERVING.md serves what the eval's ``ngram+dflash`` measured by default.
+LOOKUP_KEY_SIZE = 3
+EVAL_RECORD_NAME = "eval.json"  # what ``dflash-train eval --output-dir EXPORT_DIR`` writes there
+
+
+def llama_cpp_drafter_args(spec_type: str, num_draft_tokens: int) -> list[str]:
+    """llama-server's arguments for the drafter after ``-md``: its type, the full block, and
+    ``--spec-draft-p-min 0`` so no block is cut at a low-probability position (the eval never cuts;
+    llama.cpp's default has been 0.75 in earlier builds)."""
+    return ["--spec-type", spec_type, "--spec-draft-n-max", str(num_draft_tokens), "--spec-draft-p-min", "0"]
+
+
+def llama_cpp_lookup_args(key_size: int, max_draft: int) -> list[str]:
+    """llama-server's ``ngram-simple`` sizes: the key of ``key_size`` tokens must recur, and a lookup
+    round drafts at most ``max_draft`` tokens (the eval's ``--ngram-min-match`` / ``--ngram-max-draft``)."""
+    return ["--spec-ngram-simple-size-n", str(key_size), "--spec-ngram-simple-size-m", str(max_draft)]
+
+
+def llama_cpp_combined_args(
+    spec_type: str, num_draft_tokens: int, key_size: int, max_draft: int
+) -> list[str]:
+    """``ngram-simple`` before the drafter in one ``--spec-type`` list (llama.cpp asks the draftless
+    type first and the drafter only when lookup proposed nothing: docs/evaluation.md)."""
+    drafter = llama_cpp_drafter_args(f"ngram-simple,{spec_type}", num_draft_tokens)
+    return [*drafter, *llama_cpp_lookup_args(key_size, max_draft)]
 
 
 def serving_flags(
-    config: DFlashDraftConfig, export_dir: str | Path, target: str = "<target>"
+    config: DFlashDraftConfig,
+    export_dir: str | Path,
+    target: str = "<target>",
+    lookup: tuple[int, int] | None = None,
 ) -> dict[str, str]:
     """The launch commands of SGLang, vLLM and llama.cpp for this export: ``{"sglang": ..., "vllm":
-    ..., "llama_cpp": ...}`` (llama.cpp: its converter, then llama-server; docs/training.md)."""
+    ..., "llama_cpp": ..., "llama_cpp_combined": ...}`` (llama.cpp: its converter, then llama-server
+    with the drafter alone, or with ngram-simple first; docs/training.md). ``lookup`` is
+    ngram-simple's (key size, draft limit); default (3, the drafter's drafts per round)."""
     draft = str(Path(export_dir).resolve())
     method = "dspark" if config.variant == "dspark" else "dflash"
-    vllm_config = json.dumps(
-        {"method": method, "model": draft, "num_speculative_tokens": config.num_draft_tokens}
-    )
+    drafts = config.num_draft_tokens
+    key_size, max_draft = lookup or (LOOKUP_KEY_SIZE, drafts)
+    vllm_config = json.dumps({"method": method, "model": draft, "num_speculative_tokens": drafts})
     vllm_env = "VLLM_USE_V2_MODEL_RUNNER=1 " if needs_vllm_v2_runner(config) else ""
+    convert = (
+        f"python convert_hf_to_gguf.py {draft} --target-model-dir {target} --outtype f32 --outfile draft.gguf"
+    )
+    server = "llama-server -m TARGET.gguf -md draft.gguf"
+    alone = llama_cpp_drafter_args(f"draft-{method}", drafts)
+    combined = llama_cpp_combined_args(f"draft-{method}", drafts, key_size, max_draft)
     return {
         "sglang": (
             f"python -m sglang.launch_server --model-path {target} "
@@ -46,11 +89,8 @@ def serving_flags(
             f"--speculative-num-draft-tokens {config.num_verify_tokens}"
         ),
         "vllm": f"{vllm_env}vllm serve {target} --speculative-config '{vllm_config}'",
-        "llama_cpp": (
-            f"python convert_hf_to_gguf.py {draft} --target-model-dir {target} --outtype f32 --outfile draft.gguf"
-            f" && llama-server -m TARGET.gguf -md draft.gguf --spec-type draft-{method} "
-            f"--spec-draft-n-max {config.num_draft_tokens} --jinja"
-        ),
+        "llama_cpp": f"{convert} && {server} {' '.join(alone)} --jinja",
+        "llama_cpp_combined": f"{server} {' '.join(combined)} --jinja",
     }
 
 
@@ -88,9 +128,60 @@ def serving_warnings(config: DFlashDraftConfig) -> list[str]:
     return notes
 
 
+def measured_lookup(export_dir: str | Path) -> dict | None:
+    """The eval's numbers for the choice between the drafter alone and ngram-simple first, from
+    ``export_dir/eval.json`` as ``dflash-train eval --baseline ngram --output-dir`` writes it: ``{tau,
+    ngram_tau, ngram_dflash_tau, num_prompts, lookup: (key size, draft limit)}``; None without them."""
+    path = Path(export_dir) / EVAL_RECORD_NAME
+    try:
+        record = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return None  # not the eval's record: SERVING.md then says how to measure
+    needed = ("tau", "ngram_dflash_tau", "ngram_min_match", "ngram_max_draft")
+    if not isinstance(record, dict) or any(not isinstance(record.get(k), (int, float)) for k in needed):
+        return None
+    return {
+        "tau": record["tau"],
+        "ngram_tau": record.get("ngram_tau"),
+        "ngram_dflash_tau": record["ngram_dflash_tau"],
+        "num_prompts": record.get("num_prompts"),
+        "lookup": (int(record["ngram_min_match"]), int(record["ngram_max_draft"])),
+    }
+
+
+def lookup_advice(measured: dict | None, export_dir: str | Path, target: str) -> list[str]:
+    """Whether to serve llama.cpp's lookup-first combination: the eval's numbers and the pick, or how
+    to get them."""
+    if measured is None:
+        return [
+            "Whether it beats the drafter alone depends on the prompts (lookup wins in repetition, the "
+            "drafter elsewhere). Measure it on yours: `dflash-train eval --target "
+            f"{target} --drafter {export_dir} --prompts PROMPTS.jsonl --baseline ngram --tau-mode exact "
+            f"--output-dir {export_dir}` reports `ngram_dflash_tau` (this line, simulated by llama.cpp's "
+            "rule) beside `tau` (the drafter alone) and rewrites this file with the numbers; "
+            "`dflash-train serve-check` runs both in llama.cpp (engine tau and tokens/s)."
+        ]
+    tau, combined = measured["tau"], measured["ngram_dflash_tau"]
+    ngram = measured["ngram_tau"]
+    numbers = (
+        f"The eval in eval.json ({measured['num_prompts']} prompts, exact mode): tau {tau:.3f} with the "
+        f"drafter alone, {combined:.3f} with ngram-simple first"
+        + ("" if ngram is None else f", {ngram:.3f} with the eval's n-gram lookup alone")
+        + "."
+    )
+    if combined > tau:
+        pick = f"Serve the combination: {combined / tau:.2f}x the drafter's tau."
+    else:
+        pick = "Serve the drafter alone: lookup first does not raise tau on these prompts."
+    return [f"{numbers} {pick} tau is not tokens/s: `dflash-train serve-check` measures both in llama.cpp."]
+
+
 def serving_notes(config: DFlashDraftConfig, export_dir: str | Path, target: str = "<target>") -> str:
-    """The text of ``SERVING.md``: block length, the engines' launch commands and the applicable warnings."""
-    flags = serving_flags(config, export_dir, target)
+    """The text of ``SERVING.md``: block length, the engines' launch commands, llama.cpp's
+    lookup-first combination with the eval's numbers where ``export_dir/eval.json`` has them, and
+    the applicable warnings."""
+    measured = measured_lookup(export_dir)
+    flags = serving_flags(config, export_dir, target, None if measured is None else measured["lookup"])
     block, drafts, verify = config.block_size, config.num_draft_tokens, config.num_verify_tokens
     name = {"dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark"}[config.variant]
     lines = [
@@ -111,6 +202,13 @@ def serving_notes(config: DFlashDraftConfig, export_dir: str | Path, target: str
         f"llama.cpp (`--spec-draft-n-max {drafts}`; the converter needs the target's HF directory):",
         "",
         f"    {flags['llama_cpp']}",
+        "",
+        "llama.cpp with its prompt lookup first (llama-server asks `ngram-simple` each round and the "
+        "drafter only when lookup proposed nothing; the eval's `ngram+dflash` simulates exactly this):",
+        "",
+        f"    {flags['llama_cpp_combined']}",
+        "",
+        *lookup_advice(measured, Path(export_dir).resolve(), target),
     ]
     warnings = serving_warnings(config)
     if warnings:

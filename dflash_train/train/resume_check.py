@@ -36,6 +36,8 @@ RESUME_CRITICAL = (
     "train.lr_schedule",
     "train.seed",
     "train.anchors_per_token",  # anchors of a packed row
+    "train.lookup_anchor_weight",  # which anchors are drawn
+    "train.lookup_anchor_ngram_n",
     "train.dtype",  # the drafter's compute dtype
     "target.dtype",  # the features the drafter learns from
     "target.fp8",

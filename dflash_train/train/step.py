@@ -41,21 +41,30 @@ from dflash_train.train.step_timer import PhaseTimer
 def prepare_micro_batch(run: Run, batch, epoch: int) -> dict[str, torch.Tensor]:
     """Move a batch to the device, draw its anchors and build labels and loss weights."""
     from dflash_train.data.anchors import sample_anchors
+    from dflash_train.data.lookup_anchors import lookup_anchor_weights
 
     dev = run.info.device
     input_ids = batch.input_ids.to(dev, non_blocking=True)
     loss_mask = batch.loss_mask.to(dev, non_blocking=True)
     attention_mask = batch.attention_mask.to(dev, non_blocking=True)
     position_ids = getattr(batch, "position_ids", None)
-    if position_ids is None:
-        anchors, keep = sample_anchors(
-            loss_mask, run.cfg.train.num_anchors, run.cfg.train.seed, epoch, batch.sample_index.to(dev)
-        )
-    else:  # packed rows: anchors budgeted per conversation, labels never past its end
-        position_ids = position_ids.to(dev, non_blocking=True)
-        anchors, keep = packed_anchors(run, loss_mask, position_ids, batch.token_sample_index.to(dev), epoch)
+    position_ids = None if position_ids is None else position_ids.to(dev, non_blocking=True)
     # Labels ids[a+1 .. a+D] of the D scored slots: a round verifies D + 1 tokens.
     width = run.cfg.drafter.num_verify_tokens
+    weight = lookup_anchor_weights(input_ids, loss_mask, position_ids, run.cfg.train, width)  # None: uniform
+    if position_ids is None:
+        anchors, keep = sample_anchors(
+            loss_mask,
+            run.cfg.train.num_anchors,
+            run.cfg.train.seed,
+            epoch,
+            batch.sample_index.to(dev),
+            weight,
+        )
+    else:  # packed rows: anchors budgeted per conversation, labels never past its end
+        anchors, keep = packed_anchors(
+            run, loss_mask, position_ids, batch.token_sample_index.to(dev), epoch, weight
+        )
     labels, label_valid = block_targets(input_ids, loss_mask, anchors, width)
     if position_ids is not None:
         label_valid = label_valid & same_segment(position_ids, anchors, width)
@@ -76,14 +85,14 @@ def prepare_micro_batch(run: Run, batch, epoch: int) -> dict[str, torch.Tensor]:
     }
 
 
-def packed_anchors(run: Run, loss_mask, position_ids, token_sample_index, epoch: int):
+def packed_anchors(run: Run, loss_mask, position_ids, token_sample_index, epoch: int, weight=None):
     """``sample_packed_anchors`` with ``train.anchors_per_token`` (0 = num_anchors per row length)."""
     from dflash_train.data.anchors import sample_packed_anchors
 
     t = run.cfg.train
     per_token = t.anchors_per_token or t.num_anchors / loss_mask.shape[1]
     return sample_packed_anchors(
-        loss_mask, position_ids, token_sample_index, t.num_anchors, per_token, t.seed, epoch
+        loss_mask, position_ids, token_sample_index, t.num_anchors, per_token, t.seed, epoch, weight
     )
 
 

@@ -1,0 +1,74 @@
+"""llama.cpp's ``ngram-simple`` prompt lookup, the n-gram side of the eval's ``ngram+dflash``.
+
+llama-server combines a draftless n-gram type with a draft model in one ``--spec-type`` list
+(``ngram-simple,draft-dflash``): every round asks the n-gram type first and the drafter only when
+the n-gram type proposed nothing (docs/evaluation.md, "Prompt lookup first, the drafter
+otherwise", names the source files this follows). ``ngram-simple``'s rule, with key size n
+(``--spec-ngram-simple-size-n``) and draft limit m (``--spec-ngram-simple-size-m``), for the
+sequence ``ids[:length]`` whose last token is the one just sampled:
+
+- the history is ``ids[:length - 1]``; with ``length - 1 <= n + m + 1`` tokens of it, no draft;
+- the key is the last n tokens, ``ids[length - n : length]``;
+- its latest earlier occurrence starts at the largest ``j`` with ``1 <= j <= length - n - 2``
+  (position 0 is never a match; an occurrence ending right before the key's last token is not
+  searched), none: no draft;
+- the tokens of the history after that occurrence, ``min(m, length - 1 - j - n)`` of them, are the
+  draft, unless fewer than n: then no draft (older occurrences are not tried);
+- no padding: the draft has between n and m tokens; the server then cuts it to the request's
+  remaining tokens minus one.
+
+So a loop of period p <= n is never copied (its latest occurrence leaves p - 1 < n tokens), a
+longer loop is copied p - 1 tokens at a time, and a round drafts up to m tokens, more than the
+drafter's block when m > B - 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def ngram_simple_draft(ids: Sequence[int], length: int, key_size: int, max_draft: int) -> list[int]:
+    """The draft for ``ids[:length]`` by the rule above, searched directly (the reference the
+    incremental ``NgramSimpleIndex`` is tested against)."""
+    history = length - 1
+    if history <= key_size + max_draft + 1:
+        return []
+    key = list(ids[length - key_size : length])
+    for start in range(length - key_size - 2, 0, -1):
+        if list(ids[start : start + key_size]) == key:
+            count = min(max_draft, history - start - key_size)
+            return list(ids[start + key_size : start + key_size + count]) if count >= key_size else []
+    return []
+
+
+class NgramSimpleIndex:
+    """``ngram_simple_draft`` at increasing lengths of one sequence in O(key_size) per call: every
+    key-size n-gram that may be a match (start 1 .. length - n - 2) is kept in a dict with its
+    latest start, extended as the length grows."""
+
+    def __init__(self, ids: Sequence[int], key_size: int, max_draft: int):
+        if key_size < 1 or max_draft < 1:
+            raise ValueError(
+                f"ngram-simple key size {key_size}, draft limit {max_draft}: use >= 1 for both "
+                "(llama.cpp's --spec-ngram-simple-size-n / -size-m)"
+            )
+        self.ids, self.key_size, self.max_draft = list(ids), key_size, max_draft
+        self.latest: dict[tuple[int, ...], int] = {}
+        self.next_start = 1  # position 0 is never a match
+        self.asked = 0  # the longest length asked so far
+
+    def draft(self, length: int) -> list[int]:
+        """The draft for ``ids[:length]`` (empty when the rule proposes nothing)."""
+        assert length >= self.asked, "NgramSimpleIndex only grows: ask increasing lengths"
+        self.asked = length
+        n, history = self.key_size, length - 1
+        for start in range(self.next_start, length - n - 1):  # the starts 1 .. length - n - 2
+            self.latest[tuple(self.ids[start : start + n])] = start
+        self.next_start = max(self.next_start, length - n - 1)
+        if history <= n + self.max_draft + 1:
+            return []
+        start = self.latest.get(tuple(self.ids[length - n : length]))
+        if start is None:
+            return []
+        count = min(self.max_draft, history - start - n)
+        return self.ids[start + n : start + n + count] if count >= n else []
