@@ -4,11 +4,12 @@ tie-aware verdict).
 
 Engines: ``padded`` (the padded-batch loop synth and regen ran before, ``generate.sampling.sample_batch``,
 run in waves of ``--batch-size`` rows), ``slots`` (the slot engine: continuous batching over
-``--batch-size`` slots, preallocated cache, CUDA-graphed decode step on CUDA, its default decode
-attention: FlexAttention over each slot's live blocks on CUDA), ``slots-grouped`` (the same with the
-grouped-matmul decode attention over the attended bucket), ``slots-eager`` (no graphs, to
-separate the gains) and ``slots-compiled`` (the decode forward and draw under torch.compile, inside
-the graphs: ``SlotEngine(compile_decode=True)``; with ``--profile`` its step is profiled too). Every engine runs the same prompts, greedy
+``--batch-size`` slots, preallocated cache, CUDA-graphed decode step on CUDA, its defaults: the
+grouped decode attention, compiled on CUDA for attention-only targets), ``slots-flex`` / ``slots-grouped``
+(FlexAttention over each slot's live blocks, or the grouped matmuls over the attended bucket), ``slots-eager`` (no graphs, to
+separate the gains), ``slots-compiled`` / ``slots-uncompiled`` (the decode forward and draw under
+torch.compile inside the graphs, or not, whatever the engine's default: ``SlotEngine(compile_decode=)``;
+with ``--profile`` and ``slots-compiled`` the compiled step is profiled beside the uncompiled one). Every engine runs the same prompts, greedy
 (or ``--temperature``), after an untimed warm-up on one batch of them (CUDA graph captures, kernel
 autotuning). The first engine's greedy outputs are the reference; each other engine's are compared
 row by row and every first divergence is judged by ``eval.verdict`` (logits of one plain target
@@ -56,7 +57,15 @@ from dflash_train.generate.engine import SlotEngine
 from dflash_train.generate.sampling import PaddedEngine, Sampling
 
 HELP = "Generation engines (slots on either decode attention, padded): rows/s, tokens/s, decode profile."
-ENGINES = ("padded", "slots", "slots-flex", "slots-grouped", "slots-eager", "slots-compiled")
+ENGINES = (
+    "padded",
+    "slots",
+    "slots-flex",
+    "slots-grouped",
+    "slots-eager",
+    "slots-compiled",
+    "slots-uncompiled",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -173,7 +182,7 @@ def make_engine(name: str, model, batch_size: int, options: GenerationBenchOptio
     return SlotEngine(
         model, num_slots=batch_size, use_cuda_graphs=False if name == "slots-eager" else None,
         check_every=options.check_every, kv_bucket=options.kv_bucket or None, decode_attention=attention,
-        compile_decode=name == "slots-compiled",
+        compile_decode={"slots-compiled": True, "slots-uncompiled": False}.get(name),
     )  # fmt: skip
 
 
