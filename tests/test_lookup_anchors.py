@@ -13,7 +13,7 @@ import torch
 from dflash_train.data.anchors import sample_anchors, sample_packed_anchors
 from dflash_train.data.lookup_anchors import lookup_anchor_weights, lookup_copies_block
 from dflash_train.eval.proposers import NgramProposer
-from tests.train_helpers import logged_losses, tiny_config
+from tests.train_helpers import logged_losses, tiny_config, train_stopped_by_sigterm
 
 WIDTH = 5  # the round: the anchor and 4 labels
 
@@ -105,10 +105,7 @@ def test_the_draw_follows_the_weights():
 def test_a_run_with_the_weight_resumes_with_the_uninterrupted_losses(train_task, tmp_path):
     """SIGTERM inside step 4, resume: the same anchors and losses as the run without a stop, which
     differ from the uniform draw's; another weight on resume is refused."""
-    import os
-    import signal
-
-    from dflash_train.train.trainer import TrainHooks, train
+    from dflash_train.train.trainer import train
 
     extra = ("train.lookup_anchor_weight=0.0", "train.max_steps=8", "checkpoint.every_steps=100")
     train(tiny_config(train_task, tmp_path / "full", *extra))
@@ -116,12 +113,8 @@ def test_a_run_with_the_weight_resumes_with_the_uninterrupted_losses(train_task,
     train(tiny_config(train_task, tmp_path / "uniform", *extra[1:]))
     assert logged_losses(tmp_path / "uniform") != full
 
-    def sigterm_during_step_4(run):
-        if run.step == 3:
-            os.kill(os.getpid(), signal.SIGTERM)
-
     out = tmp_path / "resumed"
-    first = train(tiny_config(train_task, out, *extra), TrainHooks(after_backward=sigterm_during_step_4))
+    first = train_stopped_by_sigterm(tiny_config(train_task, out, *extra))
     assert first["step"] == 4
     with pytest.raises(ValueError, match="train.lookup_anchor_weight"):
         train(tiny_config(train_task, out, "train.lookup_anchor_weight=0.5", *extra[1:]))

@@ -19,7 +19,7 @@ from dflash_train.models.target import FrozenTarget
 from dflash_train.tiny import build_tiny_target
 from dflash_train.train.loss import block_targets, dflash_loss
 from dflash_train.train.step import prepare_micro_batch, target_features
-from tests.train_helpers import logged_losses, tiny_config
+from tests.train_helpers import logged_losses, tiny_config, train_stopped_by_sigterm
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile.*")
 MASK_ID = 300
@@ -197,21 +197,14 @@ def test_packed_tiny_run_trains(train_task, tmp_path):
 
 def test_packed_run_resumes_with_the_uninterrupted_losses(train_task, tmp_path):
     """SIGTERM inside step 4 of a packed run, resume: the same batches, anchors and losses."""
-    import os
-    import signal
-
-    from dflash_train.train.trainer import TrainHooks, train
+    from dflash_train.train.trainer import train
 
     extra = ("data.packing=true", "train.max_steps=8", "checkpoint.every_steps=100")
     train(tiny_config(train_task, tmp_path / "full", *extra))
     full = logged_losses(tmp_path / "full")
 
-    def sigterm_during_step_4(run):
-        if run.step == 3:
-            os.kill(os.getpid(), signal.SIGTERM)
-
     out = tmp_path / "resumed"
-    first = train(tiny_config(train_task, out, *extra), TrainHooks(after_backward=sigterm_during_step_4))
+    first = train_stopped_by_sigterm(tiny_config(train_task, out, *extra))
     assert first["step"] == 4
     assert train(tiny_config(train_task, out, *extra))["step"] == 8
     assert logged_losses(out) == full

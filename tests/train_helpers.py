@@ -75,6 +75,19 @@ def tiny_overrides(task, out_dir, *extra) -> list[str]:
     ]
 
 
+def train_stopped_by_sigterm(config, during_step: int = 4) -> dict:
+    """``train(config)`` with a SIGTERM during step ``during_step`` (it saves at that step's end and stops)."""
+    import signal
+
+    from dflash_train.train.trainer import TrainHooks, train
+
+    def sigterm(run):
+        if run.step == during_step - 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return train(config, TrainHooks(after_backward=sigterm))
+
+
 def logged_losses(out_dir) -> dict[int, float]:
     rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in rows}
