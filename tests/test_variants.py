@@ -5,6 +5,8 @@ static engines), so the eval's tau is the tau an engine that runs the procedure 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from tests.variant_helpers import fit_variant_drafter, variant_drafter
 VARIANTS = ["dflash2", "dspark"]
 ARCHITECTURE = {"dflash2": "DFlash2DraftModel", "dspark": "Qwen3DSparkModel"}
 BLOCK, MAX_NEW = 4, 25
+GOLDEN = Path(__file__).parent / "golden"
 TEXTS = ["def add(a, b): the quick brown fox", "for i in range(10):", "class Point:", "hi", "print(i * i)"]
 
 
@@ -47,6 +50,25 @@ def test_variant_trains_exports_and_reloads(task, tmp_path, variant, one_thread)
         assert drafter.candidate_selector.successor_codebook.abs().sum() > 0  # the selector learned
     if variant == "dspark":
         assert 0 <= rows[-1]["confidence_abs_error"] <= 1
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_golden_losses_of_a_fixed_seed_variant_run(task, tmp_path, variant, one_thread):
+    """Per-step losses of a 30-step run of each variant (``test_train``'s golden run with the variant
+    on top: its heads, drafting slots and loss terms); a numerics change updates the file on purpose."""
+    golden_file = GOLDEN / f"tiny_train_losses_{variant}.json"
+    out = tmp_path / "run"
+    train(
+        tiny_config(
+            task, out, f"drafter.variant={variant}", "train.max_steps=30", "checkpoint.every_steps=100"
+        )
+    )
+    losses = [logged_losses(out)[s] for s in range(1, 31)]
+    if os.environ.get("DFLASH_UPDATE_GOLDEN"):
+        golden_file.write_text(json.dumps({"losses": losses}, indent=1) + "\n")
+    golden = json.loads(golden_file.read_text())["losses"]
+    # Tight, not bit-exact: CPU kernels differ slightly between instruction sets (AVX2 vs AVX-512).
+    assert losses == pytest.approx(golden, rel=1e-4, abs=1e-5)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
