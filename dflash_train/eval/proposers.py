@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_train.models.variant import DEFAULT_VARIANT, get_variant
+
 
 @dataclass
 class Draft:
@@ -220,9 +222,11 @@ class DFlashProposer(Proposer):
 
     def propose_topk(self, accepted_ids, new_features, block_size, k):
         self._check_block_size(block_size)
-        if getattr(self.drafter.config, "variant", "dflash") != "dflash":
+        variant = get_variant(getattr(self.drafter.config, "variant", DEFAULT_VARIANT))
+        if not variant.drafts_by_head_argmax:
             raise NotImplementedError(
-                "DDTree top-k is the DFlash parallel head's; the variant drafts otherwise"
+                f"DDTree top-k is the parallel head's; a {variant.name} drafter drafts with "
+                f"{variant.drafting_procedure}"
             )
         logprobs = torch.log_softmax(self.block_logits(accepted_ids, new_features), dim=-1)
         top = logprobs.topk(k, dim=-1)

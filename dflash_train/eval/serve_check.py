@@ -215,16 +215,21 @@ def export_block_size(export: Path) -> int:
         raise ValueError(
             f"{export}/config.json has no usable block_size ({block_size!r}): re-export the drafter"
         )
-    return block_size + (export_spec_type(export) == "draft-dspark")
+    return block_size + 1 - export_variant(export).first_scored_slot
+
+
+def export_variant(export: Path):
+    """The drafter variant of an export, from its ``architectures`` (``models/variant.py``)."""
+    from dflash_train.models.variant import DEFAULT_VARIANT, get_variant, variant_for_architecture
+
+    names = json.loads((export / "config.json").read_text()).get("architectures")
+    return variant_for_architecture(names[0]) if names else get_variant(DEFAULT_VARIANT)
 
 
 def export_spec_type(export: Path) -> str:
-    """llama-server's ``--spec-type`` for the export: ``draft-dspark`` for DSpark, else ``draft-dflash``
-    (DFlash2 runs under it; its selector tensors switch the server to DFlash2's drafting)."""
-    from dflash_train.models.drafter_config import READ_ARCHITECTURES
-
-    names = json.loads((export / "config.json").read_text()).get("architectures") or [""]
-    return "draft-dspark" if READ_ARCHITECTURES.get(names[0]) == "dspark" else "draft-dflash"
+    """llama-server's ``--spec-type`` for the export, its variant's: ``draft-dspark`` for DSpark, else
+    ``draft-dflash`` (DFlash2 runs under it; its selector tensors switch the server to DFlash2's drafting)."""
+    return export_variant(export).llama_cpp_spec_type
 
 
 def target_gguf_file(options: ServeCheckOptions, converter: Path, workdir: Path) -> Path:

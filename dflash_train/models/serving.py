@@ -9,13 +9,11 @@ the exact flags for one export, and the engine differences that matter for it:
 - SGLang ignores ``is_causal`` (sliding layers are always causal in-block there);
 - engines differ on the last target layer's feature (before or after the final norm).
 
-DFlash2 exports serve with SGLang's ``DFLASH`` algorithm (its DFlash2 support was reported merged as
-SGLang PR #35371) and vLLM's ``dflash`` method on the V2 model runner (vLLM PR #52816, which
-registers ``DFlash2DraftModel`` and runs its selector in ``spec_decode/dflash2``). DSpark exports
-serve with SGLang's ``DSPARK`` algorithm (``--speculative-num-draft-tokens B + 1``: every block slot
-drafts) and vLLM's ``dspark`` method (``num_speculative_tokens: B``), whose speculator also lives in
-the V2 model runner (``spec_decode/dspark``). These flags come from the engines' sources as read,
-not from a served run here (docs/training.md, "Serving the export").
+Each variant names its engines' entry points in its module (``models/variants/``: SGLang's
+``--speculative-algorithm``, vLLM's method and V2-runner need, llama.cpp's ``--spec-type``); a
+round verifies ``num_verify_tokens`` (B, or B + 1 for DSpark, whose every slot drafts). The DFlash2
+and DSpark flags come from the engines' sources as read, not from a served run here (docs/training.md,
+"Serving the export").
 """
 
 from __future__ import annotations
@@ -24,6 +22,7 @@ import json
 from pathlib import Path
 
 from dflash_train.models.drafter_config import DFlashDraftConfig
+from dflash_train.models.variant import get_variant
 
 SERVING_NOTES_NAME = "SERVING.md"
 
@@ -34,21 +33,21 @@ def serving_flags(
     """The launch commands of SGLang, vLLM and llama.cpp for this export: ``{"sglang": ..., "vllm":
     ..., "llama_cpp": ...}`` (llama.cpp: its converter, then llama-server; docs/training.md)."""
     draft = str(Path(export_dir).resolve())
-    method = "dspark" if config.variant == "dspark" else "dflash"
+    variant = get_variant(config.variant)
     vllm_config = json.dumps(
-        {"method": method, "model": draft, "num_speculative_tokens": config.num_draft_tokens}
+        {"method": variant.vllm_method, "model": draft, "num_speculative_tokens": config.num_draft_tokens}
     )
     vllm_env = "VLLM_USE_V2_MODEL_RUNNER=1 " if needs_vllm_v2_runner(config) else ""
     return {
         "sglang": (
             f"python -m sglang.launch_server --model-path {target} "
-            f"--speculative-algorithm {method.upper()} --speculative-draft-model-path {draft} "
+            f"--speculative-algorithm {variant.sglang_algorithm} --speculative-draft-model-path {draft} "
             f"--speculative-num-draft-tokens {config.num_verify_tokens}"
         ),
         "vllm": f"{vllm_env}vllm serve {target} --speculative-config '{vllm_config}'",
         "llama_cpp": (
             f"python convert_hf_to_gguf.py {draft} --target-model-dir {target} --outtype f32 --outfile draft.gguf"
-            f" && llama-server -m TARGET.gguf -md draft.gguf --spec-type draft-{method} "
+            f" && llama-server -m TARGET.gguf -md draft.gguf --spec-type {variant.llama_cpp_spec_type} "
             f"--spec-draft-n-max {config.num_draft_tokens} --jinja"
         ),
     }
@@ -57,13 +56,13 @@ def serving_flags(
 def needs_vllm_v2_runner(config: DFlashDraftConfig) -> bool:
     """Mixed sliding/full layers need several KV-cache groups, which only vLLM's V2 runner has; the
     DFlash2 and DSpark speculators exist only there."""
-    return len(set(config.layer_types)) > 1 or config.variant != "dflash"
+    return len(set(config.layer_types)) > 1 or get_variant(config.variant).needs_vllm_v2_runner
 
 
 def serving_warnings(config: DFlashDraftConfig) -> list[str]:
     """Engine differences that apply to this drafter (empty when it serves the same everywhere)."""
     notes = []
-    if config.variant != "dflash":
+    if get_variant(config.variant).needs_vllm_v2_runner:
         notes.append(
             f"A {config.variant} drafter: vLLM runs it only on its V2 model runner (`VLLM_USE_V2_MODEL_RUNNER=1`, "
             "included above), and SGLang and vLLM need versions with its speculator; llama.cpp loads it too "
@@ -92,7 +91,7 @@ def serving_notes(config: DFlashDraftConfig, export_dir: str | Path, target: str
     """The text of ``SERVING.md``: block length, the engines' launch commands and the applicable warnings."""
     flags = serving_flags(config, export_dir, target)
     block, drafts, verify = config.block_size, config.num_draft_tokens, config.num_verify_tokens
-    name = {"dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark"}[config.variant]
+    name = get_variant(config.variant).label
     lines = [
         f"# Serving this {name} drafter",
         "",
