@@ -2,7 +2,8 @@
 
 The export is converted with llama.cpp's own ``convert_hf_to_gguf.py --target-model-dir``, and
 ``llama-server`` decodes the prompts greedily (OpenAI chat API, temperature 0) four ways: plainly,
-with the drafter (``--spec-type draft-dflash --spec-draft-n-max B-1``) and with the engine's n-gram
+with the drafter (its variant's ``--spec-type``, ``draft-dflash`` or ``draft-dspark``, and
+``--spec-draft-n-max`` its drafts per round) and with the engine's n-gram
 prompt lookup (``ngram-simple``, ``ngram-mod``). The engine's tau (from ``draft_n`` /
 ``draft_n_accepted``) is printed next to the project's exact tau on the same prompts and target
 weights (the HF directory the GGUF was made from, or dequantized from), and every speculative run's
@@ -145,16 +146,15 @@ def run_serve_check(options: ServeCheckOptions) -> dict[str, Any]:
     """Convert, serve, decode and compare; returns the flat result (also ``WORKDIR/serve_check.json``)."""
     server = llama_cpp.find_llama_server(options.llama_server)
     converter = llama_cpp.find_converter(options.llama_convert)
-    llama_cpp.check_server_supports(
-        llama_cpp.server_help(server), SERVER_FLAGS, ["draft-dflash", *options.ngram_types]
-    )
+    help_text = llama_cpp.server_help(server)
+    llama_cpp.check_server_supports(help_text, SERVER_FLAGS, options.ngram_types)
     with tempfile.TemporaryDirectory(prefix="dflash-serve-check-") as scratch:
         workdir = Path(options.workdir or scratch)
         workdir.mkdir(parents=True, exist_ok=True)
         record = ServeCheckRecord(workdir / "serve_check.json", kept=bool(options.workdir))
         # The recovery boundary of a run: whatever stops it, the record says so next to what finished.
         try:
-            result = serve_and_compare(options, server, converter, workdir, record)
+            result = serve_and_compare(options, server, converter, workdir, record, help_text)
         except llama_cpp.LlamaCppError as err:
             record.update(status="failed", error=str(err))
             raise llama_cpp.LlamaCppError(f"{err}; {record.where()}") from None
@@ -166,17 +166,21 @@ def run_serve_check(options: ServeCheckOptions) -> dict[str, Any]:
 
 
 def serve_and_compare(
-    options: ServeCheckOptions, server: Path, converter: Path, workdir: Path, record: ServeCheckRecord
-) -> dict[str, Any]:
-    """The stages of one run, each recorded as it finishes: conversions, exact eval, engine runs."""
+    options: ServeCheckOptions, server: Path, converter: Path, workdir: Path, record: ServeCheckRecord,
+    help_text: str,
+) -> dict[str, Any]:  # fmt: skip
+    """The stages of one run, each recorded as it finishes: conversions, exact eval, engine runs.
+    The drafter's run is named by its ``--spec-type``, the variant's (``draft-dflash``, ``draft-dspark``)."""
     export = exported_drafter(options.drafter, workdir)
+    spec_type = export_spec_type(export)
+    llama_cpp.check_server_supports(help_text, [], [spec_type])
     block_size = export_block_size(export)
     target_gguf = target_gguf_file(options, converter, workdir)
     draft_gguf = llama_cpp.convert_to_gguf(
         converter, export, workdir / "draft-f32.gguf", target_model_dir=options.target_hf
     )
     locations = {"target_gguf": str(target_gguf), "draft_gguf": str(draft_gguf), "workdir": str(workdir)}
-    record.update(block_size=block_size, **locations)
+    record.update(block_size=block_size, drafter_run=spec_type, **locations)
     eval_side = exact_eval(options, export)
     prompts = eval_side.pop("prompts")
     dflash_eval = eval_numbers(eval_side["dflash"], block_size)
@@ -186,11 +190,10 @@ def serve_and_compare(
         eval_ngram_tau=eval_numbers(eval_side["ngram"], block_size)["tau"],
         eval={"dflash": dflash_eval},
     )
-    spec_type = export_spec_type(export)
     runs = engine_runs(
         options, server, target_gguf, draft_gguf, block_size, prompts, workdir, record, spec_type
     )
-    result = compare(options, block_size, prompts, runs, eval_side)
+    result = compare(options, block_size, prompts, runs, eval_side, spec_type)
     result.update(locations)
     record.update(status="complete", **result)
     return result
@@ -270,16 +273,15 @@ def engine_runs(
     options: ServeCheckOptions, server: Path, target_gguf: Path, draft_gguf: Path, block_size: int,
     prompts: Sequence[ServePrompt], workdir: Path, record: ServeCheckRecord, spec_type: str = "draft-dflash",
 ) -> dict[str, dict[str, Any]]:  # fmt: skip
-    """Per engine run (plain, draft-dflash, each n-gram type): its completions, recorded as the run
-    finishes; the plain run also reads the engine's prompt tokens. The drafter's run is named
-    draft-dflash whatever ``spec_type`` it passes (``draft-dspark`` for a DSpark export)."""
+    """Per engine run (plain, the drafter's ``spec_type``, each n-gram type): its completions, recorded
+    as the run finishes; the plain run also reads the engine's prompt tokens."""
     common = ["-m", str(target_gguf), "--jinja", "--ctx-size", str(options.ctx_size)]
     common += ["--threads", str(options.threads), "--parallel", "1"]
     dflash = ["-md", str(draft_gguf), "--spec-type", spec_type]
     dflash += ["--spec-draft-n-max", str(block_size - 1), "--spec-draft-p-min", "0"]
     configurations = {
         "plain": [],
-        "draft-dflash": dflash,
+        spec_type: dflash,
         **{t: ["--spec-type", t] for t in options.ngram_types},
     }
     runs = {}
@@ -372,9 +374,11 @@ def eval_numbers(generations, block_size: int) -> dict[str, Any]:
 
 
 def compare(
-    options: ServeCheckOptions, block_size: int, prompts: Sequence[ServePrompt], runs: dict, eval_side: dict
-) -> dict[str, Any]:
-    """The flat result: engine vs eval tau and acceptance, lossless checks, prompt-token agreement."""
+    options: ServeCheckOptions, block_size: int, prompts: Sequence[ServePrompt], runs: dict, eval_side: dict,
+    drafter_run: str = "draft-dflash",
+) -> dict[str, Any]:  # fmt: skip
+    """The flat result: engine vs eval tau and acceptance, lossless checks, prompt-token agreement
+    (``drafter_run``: the name of the drafter's engine run, its ``--spec-type``)."""
     plain = [c.text for c in runs["plain"]["completions"]]
     engine = {name: engine_numbers(run["completions"]) for name, run in runs.items() if name != "plain"}
     refused = {}
@@ -389,7 +393,7 @@ def compare(
     prompt_counts = [c.prompt_tokens for c in runs["plain"]["completions"]]
     same_prompt = [t == p.ids and n == len(p.ids) for t, n, p in zip(server_tokens, prompt_counts, prompts)]
     dflash_eval = eval_numbers(eval_side["dflash"], block_size)
-    dflash_engine = engine["draft-dflash"]
+    dflash_engine = engine[drafter_run]
     far = None  # refused, or too few accepted drafts in the eval to judge
     if dflash_engine["acceptance_rate"] is not None and dflash_eval["accepted"] >= MIN_ACCEPTED_TO_JUDGE:
         far = dflash_engine["acceptance_rate"] < FAR_FRACTION * dflash_eval["acceptance_rate"]
@@ -397,6 +401,7 @@ def compare(
         "num_prompts": len(prompts),
         "max_new_tokens": options.max_new_tokens,
         "block_size": block_size,
+        "drafter_run": drafter_run,
         "target_recurrent": eval_side["target_recurrent"],
         "engine_refused": refused,
         "engine_tau": dflash_engine["tau"],
@@ -411,7 +416,7 @@ def compare(
         **{
             f"engine_{name.replace('-', '_')}_tau": n["tau"]
             for name, n in engine.items()
-            if name != "draft-dflash"
+            if name != drafter_run
         },
         "engine_tokens_per_s": {
             "plain": engine_numbers(runs["plain"]["completions"])["tokens_per_s"],
@@ -436,7 +441,7 @@ def print_table(result: dict[str, Any]) -> None:
         f"{'plain':<14}  {'':>10}  {'':>8}  {'':>18}  {'':>8}  {result['engine_tokens_per_s']['plain']:>7.1f}"
     )
     for name, numbers in result["engine"].items():
-        eval_tau = result["eval_tau"] if name == "draft-dflash" else None
+        eval_tau = result["eval_tau"] if name == result["drafter_run"] else None
         counts = f"{numbers['accepted']}/{numbers['drafted']}"
         lines.append(
             f"{name:<14}  {_fmt(numbers['tau']):>10}  {_fmt(eval_tau):>8}  {counts:>18}  "
@@ -456,7 +461,7 @@ def print_table(result: dict[str, Any]) -> None:
         f"prompt tokens equal: {result['prompt_tokens_equal']}"
     )
     lines += [f"REFUSED {name}: {reason}" for name, reason in result["engine_refused"].items()]
-    if "draft-dflash" not in result["engine_refused"] and result["engine_far_from_eval"] is None:
+    if result["drafter_run"] not in result["engine_refused"] and result["engine_far_from_eval"] is None:
         lines.append(
             f"too few drafts accepted by the eval (< {MIN_ACCEPTED_TO_JUDGE}) to judge the engine against it"
         )
