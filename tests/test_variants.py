@@ -204,3 +204,66 @@ def test_bench_times_the_variant(variant, one_thread):
     assert result["variant"] == variant and result["step_s"] > 0
     cfg, _, _ = bench_config(BenchOptions(preset="qwen3.6-27b", variant=variant))
     assert cfg.drafter.variant == variant and cfg.drafter.preset == "qwen3.6-27b"
+
+
+def test_a_block_stops_early_as_llama_cpp_stops_it_or_the_stop_is_refused(fitted, tokenizer):
+    """``draft_p_min`` (llama.cpp's --spec-draft-p-min): a DSpark block ends at the first slot whose
+    confidence ``sigmoid(proj . [h_k; markov_w1[prev_k]] + b)`` is below it (prev_k the chain's previous
+    pick), in the exact eval and in real decoding alike; a variant whose stop is not reproduced refuses it."""
+    variant, model, prompts, continuations, drafter = fitted
+    if not drafter.config.enable_confidence_head:
+        with pytest.raises(NotImplementedError, match="llama.cpp cuts its blocks"):
+            drafter.set_draft_p_min(0.5)
+        assert drafter.draft_p_min == 0.0
+        return
+    target = as_frozen_target(model, [0, 2])
+    eos = {tokenizer.eos_token_id}
+    anchors_of = []
+    for prompt, continuation in zip(prompts, continuations, strict=True):
+        ids = torch.tensor([[*prompt, *continuation]])
+        anchors = len(prompt) + torch.arange(len(continuation) - 1)[None]
+        with torch.no_grad():
+            hidden = drafter(
+                target.features(ids),
+                ids,
+                anchors,
+                torch.ones_like(anchors, dtype=torch.bool),
+                target.embed_tokens,
+            )[0]
+            chain = drafter.draft_tokens(hidden, ids[0, anchors[0]], target.lm_head)  # full blocks
+            previous = torch.cat([ids[0, anchors[0]][:, None], chain[:, :-1]], dim=1)
+            head = drafter.confidence_head.proj
+            features = torch.cat([hidden, drafter.markov_head.markov_w1.weight[previous]], dim=-1)
+            confidence = torch.sigmoid(features @ head.weight[0] + head.bias[0])
+        anchors_of.append((chain, confidence))
+    p_min = torch.cat([c.flatten() for _, c in anchors_of]).median().item()
+    try:
+        drafter.set_draft_p_min(p_min)
+        tables = draft_all(
+            target, drafter, prompts, continuations, max_new_tokens=MAX_NEW, eos_token_ids=eos,
+            topk=0, budget=65536, pad_token_id=0, timings={},
+        )  # fmt: skip
+        cut_somewhere = kept_somewhere = False
+        for table, (chain, confidence) in zip(tables, anchors_of, strict=True):
+            stop = [
+                int((row < p_min).nonzero()[0]) if (row < p_min).any() else row.numel() for row in confidence
+            ]
+            expected = torch.stack(
+                [torch.cat([c[:s], c.new_full((c.numel() - s,), -1)]) for c, s in zip(chain, stop)]
+            )
+            assert torch.equal(table.tokens, expected[: table.tokens.shape[0]])
+            cut_somewhere |= min(stop) < chain.shape[1]
+            kept_somewhere |= max(stop) > 0
+        assert cut_somewhere and kept_somewhere
+        common = dict(max_new_tokens=MAX_NEW, eos_token_ids=eos, methods=("dflash",))
+        exact = exact_acceptance(model, drafter, prompts, continuations, **common)["methods"]["dflash"]
+        for engine in ("dynamic", "static"):
+            real = evaluate(model, tokenizer, drafter, prompts, decode_engine=engine, **common)["methods"][
+                "dflash"
+            ]
+            assert real["lossless"] is True
+            assert exact["per_request_tau"] == pytest.approx(real["per_request_tau"], abs=1e-9), engine
+    finally:
+        drafter.draft_p_min = 0.0
+    full = exact_acceptance(model, drafter, prompts, continuations, **common)["methods"]["dflash"]
+    assert exact["tau"] <= full["tau"]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash_train.models.variant import DEFAULT_VARIANT, get_variant
+from dflash_train.models.variant import DEFAULT_VARIANT, drafted_tokens, get_variant
 
 
 @dataclass
@@ -218,7 +218,8 @@ class DFlashProposer(Proposer):
         if not hasattr(self.drafter, "draft_tokens"):  # the DFlash contract: argmax of the LM head
             return Draft(tokens=self.lm_head(hidden[0, 1:].to(self.lm_head.weight.dtype)).argmax(-1).tolist())
         first = torch.tensor([accepted_ids[-1]], device=hidden.device)
-        return Draft(tokens=self.drafter.draft_tokens(hidden, first, self.lm_head)[0].tolist())
+        drafts = self.drafter.draft_tokens(hidden, first, self.lm_head)[0].tolist()
+        return Draft(tokens=drafted_tokens(drafts))  # a block stopped early drafts fewer
 
     def propose_topk(self, accepted_ids, new_features, block_size, k):
         self._check_block_size(block_size)

@@ -238,6 +238,9 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.variant.add_heads(self)
+        # An engine's early stop of a block (llama.cpp --spec-draft-p-min): 0 drafts full blocks, as
+        # engines do by default; set it with ``set_draft_p_min``.
+        self.draft_p_min = 0.0
         self.mask_specs = {
             name: LayerMaskSpec.for_layer(name, config.sliding_window, config.is_causal)
             for name in dict.fromkeys(config.layer_types)
@@ -260,6 +263,12 @@ class DFlashDrafter(nn.Module):
     def variant(self) -> DrafterVariant:
         """The config's variant (``models/variant.py``): its layers, heads and drafting procedure."""
         return get_variant(self.config.variant)
+
+    def set_draft_p_min(self, p_min: float) -> None:
+        """Draft as an engine run with ``--spec-draft-p-min p_min`` does (DSpark: stop the block at the
+        first slot whose confidence is below it); refused for a variant whose stop is not reproduced."""
+        self.variant.check_draft_p_min(self.config, p_min)
+        self.draft_p_min = float(p_min)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -364,7 +373,8 @@ class DFlashDrafter(nn.Module):
     ) -> Tensor:
         """The variant's drafts [M, num_draft_tokens] from block hidden states [M, B, H] (final norm
         applied) and the blocks' first tokens [M]: the argmax of the target's LM head (DFlash), the
-        selector's left-to-right walk over its top-K (DFlash2), or the Markov chain (DSpark).
+        selector's left-to-right walk over its top-K (DFlash2), or the Markov chain (DSpark), cut at
+        ``draft_p_min`` where the variant stops a block early (``NO_DRAFT`` after the cut).
         Blocks go through the LM head ``chunk_tokens`` tokens at a time ([M, D, V] never exists)."""
         step = max(1, chunk_tokens // hidden.shape[1])
         if hidden.shape[0] <= step:

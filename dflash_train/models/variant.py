@@ -21,6 +21,13 @@ if TYPE_CHECKING:  # names for annotations only; no import at run time (see the 
     from torch import Tensor, nn
 
 DEFAULT_VARIANT = "dflash"
+# A slot a drafter left empty after stopping its block early (``draft_p_min``); never a token id.
+NO_DRAFT = -1
+
+
+def drafted_tokens(drafts: list[int]) -> list[int]:
+    """The drafts of one block up to its first ``NO_DRAFT`` (what an engine would verify)."""
+    return drafts[: drafts.index(NO_DRAFT)] if NO_DRAFT in drafts else drafts
 
 
 class DrafterVariant:
@@ -117,8 +124,20 @@ class DrafterVariant:
         self, drafter: nn.Module, logits: Tensor, scored: Tensor, anchor_ids: Tensor
     ) -> Tensor:
         """The drafts [M, D] of blocks whose scored slots have LM-head logits [M, D, V] (float32)
-        and hidden states [M, D, H]; ``anchor_ids`` [M] are the blocks' first tokens."""
+        and hidden states [M, D, H]; ``anchor_ids`` [M] are the blocks' first tokens. A variant with
+        an early stop cuts a block at ``drafter.draft_p_min`` (``NO_DRAFT`` in the slots after it)."""
         return logits.argmax(-1)
+
+    def check_draft_p_min(self, config, p_min: float) -> None:
+        """Refuse a ``draft_p_min`` (llama.cpp's ``--spec-draft-p-min``) the drafting cannot honour."""
+        if not 0.0 <= p_min <= 1.0:
+            raise ValueError(f"draft_p_min={p_min}: use a probability in [0, 1] (0 = full blocks).")
+        if p_min > 0:
+            raise NotImplementedError(
+                f"draft_p_min={p_min} with a {self.name} drafter: llama.cpp cuts its blocks at the first "
+                "draft whose probability is below it, which the eval does not reproduce (only DSpark's "
+                "confidence-head stop is); use 0, full blocks, llama.cpp's default."
+            )
 
     # -- export ----------------------------------------------------------------------------------
     def add_serving_fields(self, config, out: dict[str, Any]) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash_train.models.variant import DrafterVariant, serving_value
+from dflash_train.models.variant import NO_DRAFT, DrafterVariant, serving_value
 
 FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
 DEFAULT_MARKOV_RANK = 256
@@ -113,7 +113,28 @@ class DSpark(DrafterVariant):
         )
 
     def drafts_from_logits(self, drafter, logits, scored, anchor_ids):
-        return drafter.markov_head.greedy_chain(logits, anchor_ids)
+        """The greedy Markov chain; with ``draft_p_min`` > 0 cut at the first slot whose confidence
+        ``sigmoid(confidence_head([h_k; markov_w1[prev_k]]))`` is below it, prev_k the chain's previous
+        pick, as llama.cpp's ``draft-dspark`` with ``--spec-draft-p-min`` stops a block."""
+        import torch
+
+        drafts = drafter.markov_head.greedy_chain(logits, anchor_ids)
+        if drafter.draft_p_min <= 0:
+            return drafts
+        previous = torch.cat([anchor_ids[:, None], drafts[:, :-1]], dim=1)
+        latent = drafter.markov_head.markov_w1(previous)
+        confidence = drafter.confidence_head(scored, latent).float().sigmoid()  # [M, D]
+        kept = (confidence >= drafter.draft_p_min).long().cumprod(-1).bool()
+        return drafts.masked_fill(~kept, NO_DRAFT)
+
+    def check_draft_p_min(self, config, p_min: float) -> None:
+        if not 0.0 <= p_min <= 1.0:
+            raise ValueError(f"draft_p_min={p_min}: use a probability in [0, 1] (0 = full blocks).")
+        if p_min > 0 and not config.enable_confidence_head:
+            raise ValueError(
+                f"draft_p_min={p_min}: this DSpark drafter has no confidence head to stop a block with "
+                "(llama.cpp refuses it too); use 0, or train with drafter.confidence_head=true."
+            )
 
     # -- export ----------------------------------------------------------------------------------
     def add_serving_fields(self, config, out: dict[str, Any]) -> None:
