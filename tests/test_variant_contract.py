@@ -147,3 +147,24 @@ def test_the_variants_settings_and_fields_are_refused_on_every_other_variant(nam
             if key not in get_variant(other).config_fields:
                 with pytest.raises(ValueError, match="belong to another drafter variant"):
                     DFlashDraftConfig(**{**config.__dict__, "variant": other, key: used})
+
+
+@pytest.mark.parametrize("name", variant_names())
+def test_llama_cpp_runs_an_all_full_attention_export_bidirectional_in_block_as_trained(name):
+    """llama.cpp turns a top-level ``is_causal: true`` into causal block attention in every layer
+    (``dflash.attention.causal``); full-attention layers are trained bidirectional in-block, so an
+    export of such a drafter must not carry it, whatever the variant."""
+    from dflash_train.models.serving import serving_warnings
+
+    variant = get_variant(name)
+    config = DFlashDraftConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=320, num_target_layers=4, target_layer_ids=[0, 2], mask_token_id=300,
+        variant=name, **variant.resolved_fields(DrafterConfig(variant=name)),
+    )  # fmt: skip
+    assert config.to_serving_dict().get("is_causal", False) is False
+    assert not [note for note in serving_warnings(config) if "llama.cpp runs every layer" in note]
+    mixed = DFlashDraftConfig(
+        **{**config.__dict__, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8}
+    )
+    assert DFlashDraftConfig.from_serving_dict(mixed.to_serving_dict()) == mixed

