@@ -1,14 +1,15 @@
 """What a drafter variant is (``DrafterVariant``) and the registry that looks one up by name.
 
 DFlash, DFlash2 and DSpark share one backbone (``models/drafter.py``), one training loop, one loss
-library, one eval and one export; a variant is what differs, and each variant states all of it in
-one module of ``models/variants/`` (docs/CONTRACTS.md "Drafter variants"). The rest of the package
+library, one eval and one export; a variant is what differs, and each variant states it in one
+module of ``models/variants/`` (its ``nn.Module``s live in ``models/<name>.py``, the math of its loss
+terms in ``train/variant_terms.py``; docs/CONTRACTS.md "Drafter variants"). The rest of the package
 never compares a variant's name: it asks ``get_variant(name)`` and calls the interface.
 
 Importing any module of ``dflash_train.models`` registers the built-in variants (the package's
 ``__init__`` imports ``models/variants/``), so a name always resolves. This module imports nothing
-of the package (``drafter_config`` and ``recipe_config`` look variants up here), and neither do the
-variant modules at import time import torch: the CLI parses a recipe without loading torch.
+of the package, since ``drafter_config`` and ``recipe_config`` look variants up here; the variant
+modules import torch only inside their methods, since the CLI parses a recipe without loading it.
 
 Shapes: R rows, A anchors, B block size, D scored slots per block, H hidden, V vocab, M blocks.
 """
