@@ -67,6 +67,7 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
         ngram_max_draft=args.ngram_max_draft,
         ddtree_budget=args.ddtree_budget,
         ddtree_topk=args.ddtree_topk,
+        draft_p_min=args.draft_p_min,
         tau_mode=args.tau_mode,
         decode_prompts=args.decode_prompts,
         decode_engine=args.decode_engine,
@@ -226,6 +227,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--ddtree-budget", type=int, default=0, help="tree drafting with this many nodes (0 = chain)"
     )
     p.add_argument("--ddtree-topk", type=int, default=8, help="candidates per draft position in the tree")
+    p.add_argument(
+        "--draft-p-min",
+        type=float,
+        default=0.0,
+        help="llama.cpp's --spec-draft-p-min: a DSpark drafter stops its block at the first slot whose "
+        "confidence is below it (0 = full blocks, the engines' default)",
+    )
     p.add_argument(
         "--tau-mode",
         choices=["auto", "exact", "decode"],

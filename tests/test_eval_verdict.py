@@ -332,6 +332,7 @@ def test_eval_refuses_a_drafter_for_another_target(tiny_qwen3_dir, tiny_hybrid_d
 
 
 def test_eval_options_refuse_bad_values_with_a_remedy():
+    from dflash_train.cli import build_parser
     from dflash_train.eval.options import EvalOptions
 
     base = {"target": "t", "drafter": "d", "prompts": ["p.jsonl"]}
@@ -348,6 +349,10 @@ def test_eval_options_refuse_bad_values_with_a_remedy():
         EvalOptions(**base, max_new_tokens=0)
     with pytest.raises(ValueError, match="DDTree is greedy only"):
         EvalOptions(**base, ddtree_budget=4, temperature=0.7, tau_mode="decode")
+    with pytest.raises(ValueError, match=r"draft_p_min=1.5: use a probability in \[0, 1\]"):
+        EvalOptions(**base, draft_p_min=1.5)
+    args = ["eval", "--target", "t", "--drafter", "d", "--prompts", "p.jsonl", "--draft-p-min", "0.3"]
+    assert build_parser().parse_args(args).draft_p_min == 0.3
 
 
 def test_exact_mode_reports_hybrid_ddtree_and_skips_only_its_real_decoding(tiny_hybrid_dir, tmp_path, capsys):

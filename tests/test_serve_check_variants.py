@@ -94,6 +94,13 @@ def test_serve_check_converts_and_serves_the_variant_export(fake_llama, tiny_qwe
     )
     assert result["block_size"] == drafts + 1  # the round: the last token and the drafts
     assert 1.0 <= result["eval_tau"] <= drafts + 1
+    # The drafter's run is named by the spec type it ran with, in the result and the table.
+    assert result["drafter_run"] == spec_type and set(result["engine"]) == {
+        spec_type,
+        "ngram-simple",
+        "ngram-mod",
+    }
+    assert result["engine_tau"] == result["engine"][spec_type]["tau"]
 
 
 @pytest.mark.real
@@ -117,5 +124,5 @@ def test_llama_cpp_accepts_what_the_eval_accepts_for_the_variant(tmp_path, varia
     )  # fmt: skip
     print(json.dumps({k: v for k, v in result.items() if k != "engine_commands"}, default=str))
     assert result["eval"]["dflash"]["accepted"] >= MIN_ACCEPTED_TO_JUDGE
-    assert result["engine_lossless"]["draft-dflash"] == f"{len(PROMPTS)}/{len(PROMPTS)}"
+    assert result["engine_lossless"][SERVED[variant][1]] == f"{len(PROMPTS)}/{len(PROMPTS)}"
     assert result["engine_far_from_eval"] is False

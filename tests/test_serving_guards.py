@@ -15,6 +15,7 @@ from dflash_train.models import presets
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.drafter_config import DFlashDraftConfig
 from dflash_train.models.export import save_drafter
+from dflash_train.models.serving import serving_notes
 from dflash_train.train.trainer import TrainHooks, train
 from tests.train_helpers import tiny_config
 
@@ -172,6 +173,28 @@ def test_all_full_layers_need_no_v2_runner_and_warnings_are_written(tmp_path):
     odd = tiny_drafter_config(is_causal=False, target_layer_ids=[0, 3])
     notes = (save_drafter(DFlashDrafter(odd), odd, tmp_path / "b") / "SERVING.md").read_text()
     assert "SGLang ignores it" in notes and "last layer 3" in notes
+
+
+@pytest.mark.parametrize(
+    ("variant", "layers"), [("dflash", "sliding_attention"), ("dflash2", "full_attention")]
+)
+def test_a_drafter_llama_cpp_cannot_run_as_trained_is_named_in_serving_md(tmp_path, variant, layers):
+    """llama.cpp has one in-block causality for every layer (from ``is_causal``): a drafter mixing
+    sliding (causal) and full (bidirectional) layers cannot serve there as trained."""
+    config = presets.resolve_drafter_config(
+        DrafterConfig(preset="tiny", block_size=4, variant=variant),  # sliding + full layers
+        presets.tiny_hybrid_target_config(),
+        target_layer_ids=[0, 2],
+        mask_token_id=300,
+        torch_dtype="float32",
+    )
+    notes = serving_notes(config, tmp_path)
+    assert f"its {layers} layers would not run as trained" in notes
+    # The tiny DFlash2 drafter (hidden 64) is too narrow for llama.cpp's selector lattice at top-k 16.
+    assert ("selector lattice needs hidden_size >= selector_top_k x (selector_top_k + 1) = 272" in notes) == (
+        variant == "dflash2"
+    )
+    assert "llama.cpp runs every layer" not in serving_notes(tiny_drafter_config(is_causal=False), tmp_path)
 
 
 def test_export_command_prints_the_flags(tmp_path, capsys):

@@ -5,6 +5,8 @@ static engines), so the eval's tau is the tau an engine that runs the procedure 
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from tests.variant_helpers import fit_variant_drafter, variant_drafter
 VARIANTS = ["dflash2", "dspark"]
 ARCHITECTURE = {"dflash2": "DFlash2DraftModel", "dspark": "Qwen3DSparkModel"}
 BLOCK, MAX_NEW = 4, 25
+GOLDEN = Path(__file__).parent / "golden"
 TEXTS = ["def add(a, b): the quick brown fox", "for i in range(10):", "class Point:", "hi", "print(i * i)"]
 
 
@@ -47,6 +50,25 @@ def test_variant_trains_exports_and_reloads(task, tmp_path, variant, one_thread)
         assert drafter.candidate_selector.successor_codebook.abs().sum() > 0  # the selector learned
     if variant == "dspark":
         assert 0 <= rows[-1]["confidence_abs_error"] <= 1
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_golden_losses_of_a_fixed_seed_variant_run(task, tmp_path, variant, one_thread):
+    """Per-step losses of a 30-step run of each variant (``test_train``'s golden run with the variant
+    on top: its heads, drafting slots and loss terms); a numerics change updates the file on purpose."""
+    golden_file = GOLDEN / f"tiny_train_losses_{variant}.json"
+    out = tmp_path / "run"
+    train(
+        tiny_config(
+            task, out, f"drafter.variant={variant}", "train.max_steps=30", "checkpoint.every_steps=100"
+        )
+    )
+    losses = [logged_losses(out)[s] for s in range(1, 31)]
+    if os.environ.get("DFLASH_UPDATE_GOLDEN"):
+        golden_file.write_text(json.dumps({"losses": losses}, indent=1) + "\n")
+    golden = json.loads(golden_file.read_text())["losses"]
+    # Tight, not bit-exact: CPU kernels differ slightly between instruction sets (AVX2 vs AVX-512).
+    assert losses == pytest.approx(golden, rel=1e-4, abs=1e-5)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -182,3 +204,80 @@ def test_bench_times_the_variant(variant, one_thread):
     assert result["variant"] == variant and result["step_s"] > 0
     cfg, _, _ = bench_config(BenchOptions(preset="qwen3.6-27b", variant=variant))
     assert cfg.drafter.variant == variant and cfg.drafter.preset == "qwen3.6-27b"
+
+
+def test_a_block_stops_early_as_llama_cpp_stops_it_or_the_stop_is_refused(fitted, tokenizer):
+    """``draft_p_min`` (llama.cpp's --spec-draft-p-min): a DSpark block ends at the first slot whose
+    confidence ``sigmoid(proj . [h_k; markov_w1[prev_k]] + b)`` is below it (prev_k the chain's previous
+    pick), in the exact eval and in real decoding alike; a variant whose stop is not reproduced refuses it."""
+    variant, model, prompts, continuations, drafter = fitted
+    if not drafter.config.enable_confidence_head:
+        with pytest.raises(NotImplementedError, match="llama.cpp cuts its blocks"):
+            drafter.set_draft_p_min(0.5)
+        assert drafter.draft_p_min == 0.0
+        return
+    target = as_frozen_target(model, [0, 2])
+    eos = {tokenizer.eos_token_id}
+    anchors_of = []
+    for prompt, continuation in zip(prompts, continuations, strict=True):
+        ids = torch.tensor([[*prompt, *continuation]])
+        anchors = len(prompt) + torch.arange(len(continuation) - 1)[None]
+        with torch.no_grad():
+            hidden = drafter(
+                target.features(ids),
+                ids,
+                anchors,
+                torch.ones_like(anchors, dtype=torch.bool),
+                target.embed_tokens,
+            )[0]
+            chain = drafter.draft_tokens(hidden, ids[0, anchors[0]], target.lm_head)  # full blocks
+            previous = torch.cat([ids[0, anchors[0]][:, None], chain[:, :-1]], dim=1)
+            head = drafter.confidence_head.proj
+            features = torch.cat([hidden, drafter.markov_head.markov_w1.weight[previous]], dim=-1)
+            confidence = torch.sigmoid(features @ head.weight[0] + head.bias[0])
+        anchors_of.append((chain, confidence))
+    p_min = torch.cat([c.flatten() for _, c in anchors_of]).median().item()
+    try:
+        drafter.set_draft_p_min(p_min)
+        tables = draft_all(
+            target, drafter, prompts, continuations, max_new_tokens=MAX_NEW, eos_token_ids=eos,
+            topk=0, budget=65536, pad_token_id=0, timings={},
+        )  # fmt: skip
+        cut_somewhere = kept_somewhere = False
+        for table, (chain, confidence) in zip(tables, anchors_of, strict=True):
+            stop = [
+                int((row < p_min).nonzero()[0]) if (row < p_min).any() else row.numel() for row in confidence
+            ]
+            expected = torch.stack(
+                [torch.cat([c[:s], c.new_full((c.numel() - s,), -1)]) for c, s in zip(chain, stop)]
+            )
+            assert torch.equal(table.tokens, expected[: table.tokens.shape[0]])
+            cut_somewhere |= min(stop) < chain.shape[1]
+            kept_somewhere |= max(stop) > 0
+        assert cut_somewhere and kept_somewhere
+        common = dict(max_new_tokens=MAX_NEW, eos_token_ids=eos, methods=("dflash",))
+        exact = exact_acceptance(model, drafter, prompts, continuations, **common)["methods"]["dflash"]
+        for engine in ("dynamic", "static"):
+            real = evaluate(model, tokenizer, drafter, prompts, decode_engine=engine, **common)["methods"][
+                "dflash"
+            ]
+            assert real["lossless"] is True
+            assert exact["per_request_tau"] == pytest.approx(real["per_request_tau"], abs=1e-9), engine
+    finally:
+        drafter.draft_p_min = 0.0
+    full = exact_acceptance(model, drafter, prompts, continuations, **common)["methods"]["dflash"]
+    assert exact["tau"] <= full["tau"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_checkpoint_of_the_older_serving_layout_resumes(task, tmp_path, variant, one_thread):
+    """Checkpoints written before an all-full-attention DFlash2 / DSpark export left out ``is_causal``
+    hold ``"is_causal": true``: the resume compares the drafters they describe, not the layouts."""
+    out = tmp_path / "run"
+    common = ("drafter.layer_types=[full_attention,full_attention]", "checkpoint.every_steps=2")
+    train(tiny_config(task, out, f"drafter.variant={variant}", "train.max_steps=2", *common))
+    saved = out / "checkpoints" / "step-00000002" / "drafter_config.json"
+    old_layout = {**json.loads(saved.read_text()), "is_causal": True}
+    saved.write_text(json.dumps(old_layout))
+    longer = ("train.max_steps=4", "checkpoint.allow_changed=[train.max_steps]")
+    assert train(tiny_config(task, out, f"drafter.variant={variant}", *longer, *common))["step"] == 4

@@ -22,6 +22,7 @@ import torch
 from dflash_train.bench.progress import StepLimits, StepProgress
 from dflash_train.config import load_config
 from dflash_train.models.presets import DRAFTER_PRESETS
+from dflash_train.models.variant import DEFAULT_VARIANT, variant_names
 from dflash_train.train.flops import mfu, train_step_flops
 from dflash_train.train.parallel import DistInfo, pick_device, use_expandable_segments
 from dflash_train.train.step_timer import PhaseTimer
@@ -66,8 +67,8 @@ class BenchOptions(StepLimits):
     # Time the drafter step alone on fixed features.
     drafter_only: bool = False
     device: str = "auto"
-    # drafter.variant: dflash, dflash2 or dspark (docs/training.md "Variants").
-    variant: str = "dflash"
+    # drafter.variant: a registered variant, dflash, dflash2 or dspark (docs/training.md "Variants").
+    variant: str = DEFAULT_VARIANT
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -77,8 +78,8 @@ class BenchOptions(StepLimits):
             raise ValueError(f"--attention-backend {self.attention_backend!r}: use auto, flex or sdpa")
         if min(self.rows, self.steps) < 1 or min(self.warmup, self.seq_len, self.num_anchors) < 0:
             raise ValueError("--rows and --steps must be >= 1; --warmup, --seq-len, --num-anchors >= 0")
-        if self.variant not in ("dflash", "dflash2", "dspark"):
-            raise ValueError(f"--variant {self.variant!r}: use dflash, dflash2 or dspark")
+        if self.variant not in variant_names():
+            raise ValueError(f"--variant {self.variant!r}: use one of {variant_names()}")
         if self.target_fp8 and self.preset == "tiny":
             raise ValueError(
                 "--target-fp8 needs a bfloat16 preset (qwen3.6-27b, qwen3-8b); tiny runs in float32"
@@ -206,9 +207,7 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
         help="train.loss; kl/ce+kl run the target to full depth and a teacher LM head per chunk",
     )
     parser.add_argument("--device", default="auto")
-    parser.add_argument(
-        "--variant", choices=["dflash", "dflash2", "dspark"], default="dflash", help="drafter.variant"
-    )
+    parser.add_argument("--variant", choices=variant_names(), default=DEFAULT_VARIANT, help="drafter.variant")
 
 
 def run_bench(args: BenchOptions) -> dict[str, Any]:

@@ -40,6 +40,7 @@ def run_eval(options: EvalOptions) -> dict[str, Any]:
     if options.decode_engine == "static":  # refuse before any (long) exact-mode phase, not after it
         resolve_decode_engine(target_model, "static")
     drafter = load_eval_drafter(options.drafter, device, dtype)
+    drafter.set_draft_p_min(options.draft_p_min)  # refused before any phase runs
     frozen = check_drafter_fits(drafter.config, target_model, tokenizer)
     bad_rows = BadPromptRows(options.max_bad_rows)
     files = [
@@ -57,6 +58,7 @@ def run_eval(options: EvalOptions) -> dict[str, Any]:
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
         "tau_mode": options.resolved_tau_mode,
+        "draft_p_min": options.draft_p_min,
         "ngram_n": options.ngram_n,  # also the loop test of the diagnosis
         "ngram_min_match": options.ngram_min_match if "ngram+dflash" in options.exact_methods else None,
         "ngram_max_draft": (

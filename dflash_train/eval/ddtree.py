@@ -27,6 +27,7 @@ from dflash_train.eval.acceptance import stop_after_eos
 from dflash_train.eval.proposers import Proposer
 from dflash_train.eval.speculative import Generation, Round, decode
 from dflash_train.eval.target_session import HYBRID_TREE_ERROR, TargetSession
+from dflash_train.models.variant import get_variant
 
 
 @dataclass
@@ -155,9 +156,10 @@ def ddtree_generate(
 
 
 def check_tree_variant(tree: bool, config) -> None:
-    """DDTree grows its tree from the parallel head's top-K, which is DFlash's drafting only."""
-    if tree and config.variant != "dflash":
+    """DDTree grows its tree from the parallel head's top-K: only for variants that draft its argmax."""
+    variant = get_variant(config.variant)
+    if tree and not variant.drafts_by_head_argmax:
         raise NotImplementedError(
             f"DDTree with a {config.variant} drafter: a tree from the parallel head's top-K would skip the "
-            f"{config.variant} drafting procedure (the selector's walk / the Markov chain); drop ddtree."
+            f"{config.variant} drafting procedure ({variant.drafting_procedure}); drop ddtree."
         )

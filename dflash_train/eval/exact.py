@@ -45,6 +45,7 @@ from dflash_train.eval.simulate import (
 )
 from dflash_train.eval.speculative import Generation
 from dflash_train.eval.summary import summarize_rounds
+from dflash_train.models.variant import get_variant
 
 EXACT_METHODS = ("dflash", "ngram", "ddtree", "ngram+dflash")
 DRAFTER_METHODS = ("dflash", "ddtree", "ngram+dflash")  # the methods that need the drafter pass
@@ -130,9 +131,9 @@ def anchor_drafts(
     keep = offsets[None] < torch.tensor(num_anchors)[:, None]
     inputs = (features, ids, anchors.to(device), keep.to(device), target.embed_tokens, "sdpa", 64)
     # Eval needs no fixed shapes: trimming skips context keys no query sees.
-    if config.variant == "dflash":
+    if get_variant(config.variant).drafts_by_head_argmax:
         hidden = drafter(*inputs, sdpa_trim_context=True)  # [R, A, B, H]
-        result = block_proposals(hidden[:, :, 1:], target.lm_head, topk)
+        result = block_proposals(hidden[:, :, config.first_scored_slot :], target.lm_head, topk)
         del hidden
     else:  # the variant's own drafting procedure, inside the drafter's forward
         drafts = drafter(*inputs, sdpa_trim_context=True, drafts_with=target.lm_head)

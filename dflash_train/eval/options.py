@@ -44,6 +44,9 @@ class EvalOptions:
     ddtree_budget: int = 0
     # Candidates per draft position when growing the DDTree.
     ddtree_topk: int = 8
+    # llama.cpp's --spec-draft-p-min: a DSpark drafter stops its block at the first slot whose
+    # confidence head scores below it, as the engine does; 0 = full blocks (the engines' default).
+    draft_p_min: float = 0.0
     # exact: batched greedy continuation + one feature pass + one drafter pass, simulated rounds;
     # decode: real round-by-round decoding of every prompt; auto: exact at T = 0, decode otherwise.
     tau_mode: str = "auto"
@@ -102,6 +105,8 @@ class EvalOptions:
                 raise ValueError(f"{name}={getattr(self, name)}: use >= 0")
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature}: use >= 0")
+        if not 0.0 <= self.draft_p_min <= 1.0:
+            raise ValueError(f"draft_p_min={self.draft_p_min}: use a probability in [0, 1] (0 = full blocks)")
         if self.ddtree_budget > 0 and self.temperature > 0:
             raise ValueError("DDTree is greedy only: use --temperature 0 with --ddtree-budget")
 

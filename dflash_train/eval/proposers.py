@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_train.models.variant import DEFAULT_VARIANT, drafted_tokens, get_variant
+
 
 @dataclass
 class Draft:
@@ -216,13 +218,16 @@ class DFlashProposer(Proposer):
         if not hasattr(self.drafter, "draft_tokens"):  # the DFlash contract: argmax of the LM head
             return Draft(tokens=self.lm_head(hidden[0, 1:].to(self.lm_head.weight.dtype)).argmax(-1).tolist())
         first = torch.tensor([accepted_ids[-1]], device=hidden.device)
-        return Draft(tokens=self.drafter.draft_tokens(hidden, first, self.lm_head)[0].tolist())
+        drafts = self.drafter.draft_tokens(hidden, first, self.lm_head)[0].tolist()
+        return Draft(tokens=drafted_tokens(drafts))  # a block stopped early drafts fewer
 
     def propose_topk(self, accepted_ids, new_features, block_size, k):
         self._check_block_size(block_size)
-        if getattr(self.drafter.config, "variant", "dflash") != "dflash":
+        variant = get_variant(getattr(self.drafter.config, "variant", DEFAULT_VARIANT))
+        if not variant.drafts_by_head_argmax:
             raise NotImplementedError(
-                "DDTree top-k is the DFlash parallel head's; the variant drafts otherwise"
+                f"DDTree top-k is the parallel head's; a {variant.name} drafter drafts with "
+                f"{variant.drafting_procedure}"
             )
         logprobs = torch.log_softmax(self.block_logits(accepted_ids, new_features), dim=-1)
         top = logprobs.topk(k, dim=-1)

@@ -2,9 +2,10 @@
 
 The export is converted with llama.cpp's own ``convert_hf_to_gguf.py --target-model-dir``, and
 ``llama-server`` decodes the prompts greedily (OpenAI chat API, temperature 0): plainly, with the
-drafter (``--spec-type draft-dflash --spec-draft-n-max B-1 --spec-draft-p-min 0``), with each of the
+drafter (its variant's ``--spec-type``, ``draft-dflash`` or ``draft-dspark``, ``--spec-draft-n-max B-1
+--spec-draft-p-min 0``; the run is named by that spec type), with each of the
 engine's n-gram prompt lookups (``ngram-simple``, ``ngram-mod``) alone, and with each of them before
-the drafter (``--spec-type ngram-simple,draft-dflash``; ``eval/serve_runs.py``). The engine's tau (from
+the drafter (``--spec-type ngram-simple,draft-dflash``, run ``ngram-simple+draft-dflash``; ``eval/serve_runs.py``). The engine's tau (from
 ``draft_n`` / ``draft_n_accepted``) and tokens/s are printed next to the project's exact tau on the
 same prompts and target weights (the HF directory the GGUF was made from, or dequantized from): the
 drafter's beside the eval's ``dflash``, ngram-simple's combination beside the eval's ``ngram+dflash``
@@ -44,7 +45,7 @@ import torch
 from dflash_train.eval import llama_cpp
 from dflash_train.eval.prompts import PromptFile
 from dflash_train.eval.serve_prompts import ServePrompt, load_serve_prompts
-from dflash_train.eval.serve_runs import COMBINED, engine_configurations, engine_runs
+from dflash_train.eval.serve_runs import combined_run, engine_configurations, engine_runs
 from dflash_train.eval.summary import ratio, summarize_rounds
 
 NGRAM_TYPES = ("ngram-simple", "ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache")
@@ -158,16 +159,15 @@ def run_serve_check(options: ServeCheckOptions) -> dict[str, Any]:
     server = llama_cpp.find_llama_server(options.llama_server)
     converter = llama_cpp.find_converter(options.llama_convert)
     flags = SERVER_FLAGS + (LOOKUP_FLAGS if "ngram-simple" in options.ngram_types else ())
-    llama_cpp.check_server_supports(
-        llama_cpp.server_help(server), flags, ["draft-dflash", *options.ngram_types]
-    )
+    help_text = llama_cpp.server_help(server)
+    llama_cpp.check_server_supports(help_text, flags, options.ngram_types)
     with tempfile.TemporaryDirectory(prefix="dflash-serve-check-") as scratch:
         workdir = Path(options.workdir or scratch)
         workdir.mkdir(parents=True, exist_ok=True)
         record = ServeCheckRecord(workdir / "serve_check.json", kept=bool(options.workdir))
         # The recovery boundary of a run: whatever stops it, the record says so next to what finished.
         try:
-            result = serve_and_compare(options, server, converter, workdir, record)
+            result = serve_and_compare(options, server, converter, workdir, record, help_text)
         except llama_cpp.LlamaCppError as err:
             record.update(status="failed", error=str(err))
             raise llama_cpp.LlamaCppError(f"{err}; {record.where()}") from None
@@ -179,17 +179,21 @@ def run_serve_check(options: ServeCheckOptions) -> dict[str, Any]:
 
 
 def serve_and_compare(
-    options: ServeCheckOptions, server: Path, converter: Path, workdir: Path, record: ServeCheckRecord
-) -> dict[str, Any]:
-    """The stages of one run, each recorded as it finishes: conversions, exact eval, engine runs."""
+    options: ServeCheckOptions, server: Path, converter: Path, workdir: Path, record: ServeCheckRecord,
+    help_text: str,
+) -> dict[str, Any]:  # fmt: skip
+    """The stages of one run, each recorded as it finishes: conversions, exact eval, engine runs.
+    The drafter's run is named by its ``--spec-type``, the variant's (``draft-dflash``, ``draft-dspark``)."""
     export = exported_drafter(options.drafter, workdir)
+    spec_type = export_spec_type(export)
+    llama_cpp.check_server_supports(help_text, [], [spec_type])
     block_size = export_block_size(export)
     target_gguf = target_gguf_file(options, converter, workdir)
     draft_gguf = llama_cpp.convert_to_gguf(
         converter, export, workdir / "draft-f32.gguf", target_model_dir=options.target_hf
     )
     locations = {"target_gguf": str(target_gguf), "draft_gguf": str(draft_gguf), "workdir": str(workdir)}
-    record.update(block_size=block_size, **locations)
+    record.update(block_size=block_size, drafter_run=spec_type, **locations)
     eval_side = exact_eval(options, export)
     prompts = eval_side.pop("prompts")
     dflash_eval = eval_numbers(eval_side["dflash"], block_size)
@@ -201,11 +205,9 @@ def serve_and_compare(
         eval={"dflash": dflash_eval},
     )
     lookup = (options.ngram_min_match, options.ngram_max_draft or block_size - 1)
-    configurations = engine_configurations(
-        export_spec_type(export), draft_gguf, block_size - 1, options.ngram_types, lookup
-    )
+    configurations = engine_configurations(spec_type, draft_gguf, block_size - 1, options.ngram_types, lookup)
     runs = engine_runs(options, server, target_gguf, configurations, prompts, workdir, record)
-    result = compare(options, block_size, prompts, runs, eval_side)
+    result = compare(options, block_size, prompts, runs, eval_side, spec_type)
     result.update(locations)
     record.update(status="complete", **result)
     return result
@@ -230,16 +232,21 @@ def export_block_size(export: Path) -> int:
         raise ValueError(
             f"{export}/config.json has no usable block_size ({block_size!r}): re-export the drafter"
         )
-    return block_size + (export_spec_type(export) == "draft-dspark")
+    return block_size + 1 - export_variant(export).first_scored_slot
+
+
+def export_variant(export: Path):
+    """The drafter variant of an export, from its ``architectures`` (``models/variant.py``)."""
+    from dflash_train.models.variant import DEFAULT_VARIANT, get_variant, variant_for_architecture
+
+    names = json.loads((export / "config.json").read_text()).get("architectures")
+    return variant_for_architecture(names[0]) if names else get_variant(DEFAULT_VARIANT)
 
 
 def export_spec_type(export: Path) -> str:
-    """llama-server's ``--spec-type`` for the export: ``draft-dspark`` for DSpark, else ``draft-dflash``
-    (DFlash2 runs under it; its selector tensors switch the server to DFlash2's drafting)."""
-    from dflash_train.models.drafter_config import READ_ARCHITECTURES
-
-    names = json.loads((export / "config.json").read_text()).get("architectures") or [""]
-    return "draft-dspark" if READ_ARCHITECTURES.get(names[0]) == "dspark" else "draft-dflash"
+    """llama-server's ``--spec-type`` for the export, its variant's: ``draft-dspark`` for DSpark, else
+    ``draft-dflash`` (DFlash2 runs under it; its selector tensors switch the server to DFlash2's drafting)."""
+    return export_variant(export).llama_cpp_spec_type
 
 
 def target_gguf_file(options: ServeCheckOptions, converter: Path, workdir: Path) -> Path:
@@ -342,9 +349,11 @@ def eval_numbers(generations, block_size: int) -> dict[str, Any]:
 
 
 def compare(
-    options: ServeCheckOptions, block_size: int, prompts: Sequence[ServePrompt], runs: dict, eval_side: dict
-) -> dict[str, Any]:
-    """The flat result: engine vs eval tau and acceptance, lossless checks, prompt-token agreement."""
+    options: ServeCheckOptions, block_size: int, prompts: Sequence[ServePrompt], runs: dict, eval_side: dict,
+    drafter_run: str = "draft-dflash",
+) -> dict[str, Any]:  # fmt: skip
+    """The flat result: engine vs eval tau and acceptance, lossless checks, prompt-token agreement
+    (``drafter_run``: the name of the drafter's engine run, its ``--spec-type``)."""
     plain = [c.text for c in runs["plain"]["completions"]]
     engine = {name: engine_numbers(run["completions"]) for name, run in runs.items() if name != "plain"}
     refused = {}
@@ -359,9 +368,9 @@ def compare(
     prompt_counts = [c.prompt_tokens for c in runs["plain"]["completions"]]
     same_prompt = [t == p.ids and n == len(p.ids) for t, n, p in zip(server_tokens, prompt_counts, prompts)]
     dflash_eval = eval_numbers(eval_side["dflash"], block_size)
-    dflash_engine = engine["draft-dflash"]
+    dflash_engine = engine[drafter_run]
     combined = eval_side.get("ngram+dflash")
-    lookup_engine = engine.get(f"ngram-simple{COMBINED}", {})
+    lookup_engine = engine.get(combined_run("ngram-simple", drafter_run), {})
     far = None  # refused, or too few accepted drafts in the eval to judge
     if dflash_engine["acceptance_rate"] is not None and dflash_eval["accepted"] >= MIN_ACCEPTED_TO_JUDGE:
         far = dflash_engine["acceptance_rate"] < FAR_FRACTION * dflash_eval["acceptance_rate"]
@@ -369,6 +378,7 @@ def compare(
         "num_prompts": len(prompts),
         "max_new_tokens": options.max_new_tokens,
         "block_size": block_size,
+        "drafter_run": drafter_run,
         "target_recurrent": eval_side["target_recurrent"],
         "engine_refused": refused,
         "engine_tau": dflash_engine["tau"],
@@ -390,7 +400,7 @@ def compare(
         **{
             f"engine_{name.replace('-', '_').replace('+', '_')}_tau": n["tau"]
             for name, n in engine.items()
-            if name != "draft-dflash"
+            if name != drafter_run
         },
         "engine_tokens_per_s": {
             "plain": engine_numbers(runs["plain"]["completions"])["tokens_per_s"],
@@ -407,8 +417,8 @@ def print_table(result: dict[str, Any]) -> None:
     """The engine's numbers next to the eval's, one line per decoding, on stderr."""
     n, width = result["num_prompts"], max(14, *(len(name) for name in result["engine"]))
     eval_taus = {
-        "draft-dflash": result["eval_tau"],
-        f"ngram-simple{COMBINED}": result["eval_ngram_dflash_tau"],
+        result["drafter_run"]: result["eval_tau"],
+        combined_run("ngram-simple", result["drafter_run"]): result["eval_ngram_dflash_tau"],
     }
     lines = [
         "",
@@ -443,7 +453,7 @@ def print_table(result: dict[str, Any]) -> None:
         f"prompt tokens equal: {result['prompt_tokens_equal']}"
     )
     lines += [f"REFUSED {name}: {reason}" for name, reason in result["engine_refused"].items()]
-    if "draft-dflash" not in result["engine_refused"] and result["engine_far_from_eval"] is None:
+    if result["drafter_run"] not in result["engine_refused"] and result["engine_far_from_eval"] is None:
         lines.append(
             f"too few drafts accepted by the eval (< {MIN_ACCEPTED_TO_JUDGE}) to judge the engine against it"
         )

@@ -1,8 +1,8 @@
 """The llama-server runs of ``serve-check``: which configurations, with which flags, and running them.
 
-Per prompt set: the target alone (``plain``); the drafter (``draft-dflash``, or ``draft-dspark`` for a
-DSpark export, always named ``draft-dflash``); each n-gram type alone; and each n-gram type first
-with the drafter after it (``ngram-simple+draft-dflash``: one ``--spec-type`` list, where llama.cpp
+Per prompt set: the target alone (``plain``); the drafter, named by its variant's ``--spec-type``
+(``draft-dflash``, or ``draft-dspark`` for a DSpark export); each n-gram type alone; and each n-gram
+type first with the drafter after it (``ngram-simple+draft-dflash``: one ``--spec-type`` list, where llama.cpp
 asks the n-gram type first and the drafter only when lookup proposed nothing). The drafter's flags
 and the ngram-simple sizes come from ``models/serving.py``, so SERVING.md prints what is run here;
 ``ngram-simple`` runs with the key size and draft limit the exact eval's ``ngram+dflash`` simulates.
@@ -19,7 +19,10 @@ from dflash_train.eval import llama_cpp
 from dflash_train.eval.serve_prompts import ServePrompt
 from dflash_train.models.serving import llama_cpp_drafter_args, llama_cpp_lookup_args
 
-COMBINED = "+draft-dflash"  # the suffix of a combined run's name: "ngram-simple+draft-dflash"
+
+def combined_run(ngram_type: str, spec_type: str) -> str:
+    """The name of the run with ``ngram_type`` first and the drafter after it: "ngram-simple+draft-dflash"."""
+    return f"{ngram_type}+{spec_type}"
 
 
 def engine_configurations(
@@ -38,12 +41,12 @@ def engine_configurations(
 
     alone = {t: ["--spec-type", t, *sizes(t)] for t in ngram_types}
     combined = {
-        f"{t}{COMBINED}": [*drafter, *llama_cpp_drafter_args(f"{t},{spec_type}", num_draft_tokens), *sizes(t)]
+        combined_run(t, spec_type): [*drafter, *llama_cpp_drafter_args(f"{t},{spec_type}", num_draft_tokens), *sizes(t)]
         for t in ngram_types
     }
     return {
         "plain": [],
-        "draft-dflash": [*drafter, *llama_cpp_drafter_args(spec_type, num_draft_tokens)],
+        spec_type: [*drafter, *llama_cpp_drafter_args(spec_type, num_draft_tokens)],
         **alone,
         **combined,
     }

@@ -33,6 +33,7 @@ import torch
 from dflash_train.eval.proposers import DFlashProposer, Draft, Proposer
 from dflash_train.eval.static_session import GraphedStep
 from dflash_train.models.masks import masked_sdpa, visible
+from dflash_train.models.variant import drafted_tokens
 
 
 class StaticDFlashProposer(Proposer):
@@ -143,7 +144,8 @@ class StaticDFlashProposer(Proposer):
         self.num_context = start
         block = torch.full((1, self.block_size), self.mask_token_id, dtype=torch.long)
         block[0, 0] = accepted_ids[-1]
-        return Draft(tokens=self._step.run(block).tolist())  # host sync: the loop needs the tokens
+        # host sync: the loop needs the tokens; a block stopped early drafts fewer
+        return Draft(tokens=drafted_tokens(self._step.run(block).tolist()))
 
     def propose_topk(self, accepted_ids, new_features, block_size, k):
         raise NotImplementedError("the static drafter step has no top-k; DDTree uses DFlashProposer")

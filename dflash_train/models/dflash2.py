@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dflash_train.models.drafter import DFlashDecoderLayer
 from dflash_train.models.drafter_config import DFlashDraftConfig
 
 
@@ -95,6 +96,20 @@ def dflash2_layer_step(layer, hidden: Tensor, k_ctx: Tensor, v_ctx: Tensor, bloc
     hidden = hidden + layer.attention_conv.finish(out, dynamic)
     x, dynamic = layer.mlp_conv.prepare(layer.post_attention_layernorm(hidden))
     return hidden + layer.mlp_conv.finish(layer.mlp(x), dynamic)
+
+
+class DFlash2DecoderLayer(DFlashDecoderLayer):
+    """A DFlash layer whose attention and MLP each sit between two grouped dynamic convolutions."""
+
+    def __init__(self, config: DFlashDraftConfig) -> None:
+        super().__init__(config)
+        self.attention_conv = GroupedDynamicConv(config)
+        self.mlp_conv = GroupedDynamicConv(config)
+
+    def forward_with_context_kv(
+        self, hidden: Tensor, k_ctx: Tensor, v_ctx: Tensor, block_rope, attend
+    ) -> Tensor:
+        return dflash2_layer_step(self, hidden, k_ctx, v_ctx, block_rope, attend)
 
 
 class CandidateSelector(nn.Module):

@@ -17,10 +17,10 @@ z-lab/dflash ``dflash/model.py``, SGLang ``python/sglang/srt/models/dflash.py`` 
   over the full head_dim with the drafter's rope_theta; context position p, block token k at a+k;
 - the final ``norm`` is applied before the target's LM head (all three return normed hidden states).
 
-Variants (``config.variant``): DFlash2 layers put every sublayer between two grouped dynamic
-convolutions and add a candidate selector (``models/dflash2.py``); DSpark adds a Markov head and a
-confidence head and scores every block slot (``models/dspark.py``). ``forward_train(..., heads=True)``
-returns what the loss needs of them (``DraftOutput``); ``draft_tokens`` is each variant's drafting
+Variants (``config.variant``, one module each in ``models/variants/``) choose the decoder layer,
+add their heads, and say which slots are scored (DFlash2's convolutions and selector:
+``models/dflash2.py``; DSpark's Markov and confidence heads: ``models/dspark.py``). ``forward_train(...,
+heads=True)`` returns what the loss needs of them (``DraftOutput``); ``draft_tokens`` is each variant's drafting
 procedure on the block hidden states (argmax / the selector's walk / the Markov chain).
 
 Shapes: R rows, L sequence, A anchors, B block size, H hidden, n feature layers, P cached context
@@ -36,15 +36,14 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from dflash_train.models.dflash2 import CandidateSelector, GroupedDynamicConv, dflash2_layer_step
 from dflash_train.models.drafter_config import DFlashDraftConfig
-from dflash_train.models.dspark import ConfidenceHead, MarkovHead
 from dflash_train.models.masks import (
     AttendFn,
     CachedBlockAttention,
     LayerMaskSpec,
     build_train_attention,
 )
+from dflash_train.models.variant import DrafterVariant, get_variant
 
 Rope = tuple[Tensor, Tensor]  # (cos, sin), each [R|1, 1, T, D], in the activations' dtype
 
@@ -155,31 +154,20 @@ class DFlashDecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
-class DFlash2DecoderLayer(DFlashDecoderLayer):
-    """A DFlash layer whose attention and MLP each sit between two grouped dynamic convolutions."""
-
-    def __init__(self, config: DFlashDraftConfig) -> None:
-        super().__init__(config)
-        self.attention_conv = GroupedDynamicConv(config)
-        self.mlp_conv = GroupedDynamicConv(config)
-
-    def forward_with_context_kv(
-        self, hidden: Tensor, k_ctx: Tensor, v_ctx: Tensor, block_rope: Rope, attend: AttendFn
-    ) -> Tensor:
-        return dflash2_layer_step(self, hidden, k_ctx, v_ctx, block_rope, attend)
-
-
 @dataclass
 class DraftOutput:
     """What the loss needs of one training forward (``forward_train(..., heads=True)``).
 
     ``hidden`` [R, A, D, H]: the final-norm states of the D slots that predict ids[a+1] .. ids[a+D]
-    (block slots 1..B-1, or 0..B-1 for DSpark). DFlash2: the selector's ``selector_gate`` [R, A, D, r]
-    (``predecessor_codebook[gold previous] * hidden_projection(h)``) and its successor codebook
-    ``selector_table`` [V, r]. DSpark: the Markov embedding of the gold previous token
-    ``markov_latent`` [R, A, D, r], ``markov_table`` = ``markov_w2.weight`` [V, r], and the
-    ``confidence`` logits [R, A, D]. The tables are returned from the forward so that a sharded
-    (FSDP2) drafter hands the loss its gathered weights.
+    (block slots 1..B-1, or 0..B-1 for DSpark). The other fields are the inputs of the loss library's
+    variant terms (``train/variant_terms.py``), filled by the variants that use them
+    (``DrafterVariant.head_outputs``): a candidate selector's ``selector_gate`` [R, A, D, r]
+    (``predecessor_codebook[gold previous] * hidden_projection(h)``), its successor codebook
+    ``selector_table`` [V, r] and ``selector_top_k`` (DFlash2); a previous-token logit bias's
+    ``markov_latent`` [R, A, D, r] (the Markov embedding of the gold previous token) and
+    ``markov_table`` [V, r] (``markov_w2.weight``), and an acceptance head's ``confidence`` logits
+    [R, A, D] (DSpark). The tables are returned from the forward so that a sharded (FSDP2) drafter
+    hands the loss its gathered weights.
     """
 
     hidden: Tensor
@@ -213,6 +201,15 @@ def block_token_ids(input_ids: Tensor, anchors: Tensor, block_size: int, mask_to
     return torch.cat([first, first.new_full((*anchors.shape, block_size - 1), mask_token_id)], dim=-1)
 
 
+def gold_previous_tokens(input_ids: Tensor, anchors: Tensor, num_slots: int) -> Tensor:
+    """The data's token before each scored slot's label [R, A, D]: slot j's label is ids[a+1+j], so its
+    predecessor is ids[a+j] (the anchor for j = 0); clamped at the row's end (such slots are unscored)."""
+    positions = (anchors[..., None] + torch.arange(num_slots, device=anchors.device)).clamp(
+        max=input_ids.shape[1] - 1
+    )
+    return input_ids.gather(1, positions.flatten(1)).view_as(positions)
+
+
 def block_positions(anchors: Tensor, block_size: int) -> Tensor:
     """Positions [R, A, B] of the block tokens: a, a+1, ..., a+B-1 (may run past L; RoPE does not care)."""
     return anchors[..., None] + torch.arange(block_size, device=anchors.device)
@@ -235,17 +232,15 @@ class DFlashDrafter(nn.Module):
             )
         self.config = config
         hidden = config.hidden_size
-        layer_class = DFlash2DecoderLayer if config.variant == "dflash2" else DFlashDecoderLayer
+        layer_class = self.variant.decoder_layer(DFlashDecoderLayer)
         self.layers = nn.ModuleList(layer_class(config) for _ in range(config.num_hidden_layers))
         self.fc = nn.Linear(config.num_target_features * hidden, hidden, bias=False)
         self.hidden_norm = RMSNorm(hidden, config.rms_norm_eps)
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
-        if config.variant == "dflash2":
-            self.candidate_selector = CandidateSelector(config)
-        if config.variant == "dspark":
-            self.markov_head = MarkovHead(config)
-            if config.enable_confidence_head:
-                self.confidence_head = ConfidenceHead(config)
+        self.variant.add_heads(self)
+        # An engine's early stop of a block (llama.cpp --spec-draft-p-min): 0 drafts full blocks, as
+        # engines do by default; set it with ``set_draft_p_min``.
+        self.draft_p_min = 0.0
         self.mask_specs = {
             name: LayerMaskSpec.for_layer(name, config.sliding_window, config.is_causal)
             for name in dict.fromkeys(config.layer_types)
@@ -263,6 +258,17 @@ class DFlashDrafter(nn.Module):
         for module in self.modules():
             if hasattr(module, "reset_variant_parameters"):
                 module.reset_variant_parameters()
+
+    @property
+    def variant(self) -> DrafterVariant:
+        """The config's variant (``models/variant.py``): its layers, heads and drafting procedure."""
+        return get_variant(self.config.variant)
+
+    def set_draft_p_min(self, p_min: float) -> None:
+        """Draft as an engine run with ``--spec-draft-p-min p_min`` does (DSpark: stop the block at the
+        first slot whose confidence is below it); refused for a variant whose stop is not reproduced."""
+        self.variant.check_draft_p_min(self.config, p_min)
+        self.draft_p_min = float(p_min)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -358,31 +364,8 @@ class DFlashDrafter(nn.Module):
 
     def draft_output(self, hidden: Tensor, input_ids: Tensor, anchors: Tensor) -> DraftOutput:
         """hidden [R, A, B, H] -> the scored slots and, per variant, its heads' training inputs."""
-        config = self.config
-        scored = hidden[:, :, config.first_scored_slot :]
-        if config.variant == "dflash":
-            return DraftOutput(hidden=scored)
-        # The gold token before each slot's label ids[a+1+j] is ids[a+j] (the anchor for j = 0).
-        positions = (anchors[..., None] + torch.arange(scored.shape[2], device=anchors.device)).clamp(
-            max=input_ids.shape[1] - 1
-        )
-        previous = input_ids.gather(1, positions.flatten(1)).view_as(positions)  # [R, A, D]
-        if config.variant == "dflash2":
-            selector = self.candidate_selector
-            return DraftOutput(
-                hidden=scored,
-                selector_gate=selector.gate(scored, previous),
-                selector_table=selector.successor_codebook,
-                selector_top_k=selector.top_k,
-            )
-        latent = self.markov_head.markov_w1(previous)
-        confidence = self.confidence_head(scored, latent) if config.enable_confidence_head else None
-        return DraftOutput(
-            hidden=scored,
-            markov_latent=latent,
-            markov_table=self.markov_head.markov_w2.weight,
-            confidence=confidence,
-        )
+        scored = hidden[:, :, self.config.first_scored_slot :]
+        return DraftOutput(hidden=scored, **self.variant.head_outputs(self, scored, input_ids, anchors))
 
     @torch.no_grad()
     def draft_tokens(
@@ -390,7 +373,8 @@ class DFlashDrafter(nn.Module):
     ) -> Tensor:
         """The variant's drafts [M, num_draft_tokens] from block hidden states [M, B, H] (final norm
         applied) and the blocks' first tokens [M]: the argmax of the target's LM head (DFlash), the
-        selector's left-to-right walk over its top-K (DFlash2), or the Markov chain (DSpark).
+        selector's left-to-right walk over its top-K (DFlash2), or the Markov chain (DSpark), cut at
+        ``draft_p_min`` where the variant stops a block early (``NO_DRAFT`` after the cut).
         Blocks go through the LM head ``chunk_tokens`` tokens at a time ([M, D, V] never exists)."""
         step = max(1, chunk_tokens // hidden.shape[1])
         if hidden.shape[0] <= step:
@@ -404,13 +388,7 @@ class DFlashDrafter(nn.Module):
     def _block_drafts(self, hidden: Tensor, anchor_ids: Tensor, lm_head: nn.Module) -> Tensor:
         scored = hidden[:, self.config.first_scored_slot :]
         logits = lm_head(scored.to(lm_head.weight.dtype)).float()  # [M, D, V]
-        if self.config.variant == "dflash2":
-            selector = self.candidate_selector
-            unary, candidates = logits.topk(selector.top_k, dim=-1)
-            return selector.walk(candidates, unary, scored, anchor_ids)
-        if self.config.variant == "dspark":
-            return self.markov_head.greedy_chain(logits, anchor_ids)
-        return logits.argmax(-1)
+        return self.variant.drafts_from_logits(self, logits, scored, anchor_ids)
 
     # -- inference --------------------------------------------------------------------------------
 

@@ -3,15 +3,9 @@
 ``DFlashDraftConfig`` is what the model is built from and what ``export`` writes: the field names
 are the ones SGLang (``--speculative-algorithm DFLASH``) and vLLM (``method: dflash``) read.
 
-Three variants share the backbone (docs/training.md "Variants"), each in the layout its engines load:
-- ``dflash``: ``DFlashDraftModel``, the block-diffusion drafter of the DFlash paper;
-- ``dflash2``: ``DFlash2DraftModel`` (DFlash2, "Keep Drafting Parallel", Inco AI / z-lab), adding
-  ``dflash_config.{conv_kernel_size, conv_group_size, selector_rank, selector_top_k}`` (keys as vLLM's
-  ``qwen3_dflash2.py`` reads them; ``is_causal`` always written);
-- ``dspark``: ``Qwen3DSparkModel`` (DSpark, arXiv 2607.05147, DeepSpec's export name; llama.cpp and
-  vLLM also take ``DSparkDraftModel``), adding ``markov_rank``, ``markov_head_type``,
-  ``enable_confidence_head``, ``confidence_head_with_markov`` and ``sample_from_anchor: true``
-  (block slot k predicts the token after it: B draft tokens per block of B, verified as B + 1).
+The variant (``variant``, docs/training.md "Variants") decides the architecture name and adds its
+own keys to the layout its engines load (``add_serving_fields`` / ``read_serving_fields`` of its
+module in ``models/variants/``); its fields below stay 0 / off for every other variant.
 """
 
 from __future__ import annotations
@@ -20,18 +14,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash_train.models.variant import (
+    DEFAULT_VARIANT,
+    get_variant,
+    registered_variants,
+    variant_for_architecture,
+)
+
 LAYER_TYPES = ("full_attention", "sliding_attention")
-VARIANTS = ("dflash", "dflash2", "dspark")
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "Qwen3DSparkModel"}
-# The architecture names a serving config.json is read as (export writes ARCHITECTURES[variant]).
-READ_ARCHITECTURES = {
-    "DFlashDraftModel": "dflash",
-    "DFlash2DraftModel": "dflash2",
-    "Qwen3DSparkModel": "dspark",
-    "DSparkDraftModel": "dspark",
-}
-DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-DSPARK_KEYS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
 
 
 @dataclass(kw_only=True)
@@ -58,8 +48,8 @@ class DFlashDraftConfig:
     rope_scaling: dict | None = None
     max_position_embeddings: int = 40960
     torch_dtype: str = "bfloat16"
-    # "dflash" | "dflash2" | "dspark"; the fields below are 0 / off unless the variant uses them.
-    variant: str = "dflash"
+    # A registered variant's name (models/variant.py); the fields below are 0 / off unless it uses them.
+    variant: str = DEFAULT_VARIANT
     # DFlash2: taps of the grouped dynamic causal convolution, channels per dynamic group, rank of
     # the selector's predecessor/successor codebooks, candidates per position.
     conv_kernel_size: int = 0
@@ -109,8 +99,8 @@ class DFlashDraftConfig:
     def first_scored_slot(self) -> int:
         """The block slot that predicts the token after the anchor: 1 (DFlash, DFlash2: slot k
         predicts ``ids[a+k]``, the anchor slot is never scored) or 0 (DSpark: slot k predicts
-        ``ids[a+k+1]``)."""
-        return 0 if self.variant == "dspark" else 1
+        ``ids[a+k+1]``): the variant's."""
+        return get_variant(self.variant).first_scored_slot
 
     @property
     def num_draft_tokens(self) -> int:
@@ -126,7 +116,7 @@ class DFlashDraftConfig:
     def to_serving_dict(self) -> dict[str, Any]:
         """The ``config.json`` of the serving layout (DESIGN.md section 3)."""
         out: dict[str, Any] = {
-            "architectures": [ARCHITECTURES[self.variant]],
+            "architectures": [get_variant(self.variant).architecture],
             "model_type": "qwen3",
             "block_size": self.block_size,
             "dflash_config": {
@@ -158,8 +148,7 @@ class DFlashDraftConfig:
         }
         if not self.is_causal:
             out["is_causal"] = False
-        if self.variant != "dflash":
-            add_variant_fields(self, out)
+        get_variant(self.variant).add_serving_fields(self, out)
         return out
 
     @classmethod
@@ -174,7 +163,9 @@ class DFlashDraftConfig:
         kwargs["torch_dtype"] = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
         if kwargs["mask_token_id"] is None:
             raise ValueError("config.json has no dflash_config.mask_token_id: not a DFlash drafter export.")
-        kwargs.update(read_variant_fields(raw))
+        names = raw.get("architectures") or [get_variant(DEFAULT_VARIANT).architecture]
+        variant = variant_for_architecture(names[0])
+        kwargs.update(variant=variant.name, **variant.read_serving_fields(raw))
         return cls(**kwargs)
 
 
@@ -190,81 +181,17 @@ def check_ascending_layer_ids(ids: list[int]) -> None:
 
 def check_variant_fields(config: DFlashDraftConfig) -> None:
     """The variant's own fields are set and valid, and no other variant's field is."""
-    if config.variant not in VARIANTS:
-        raise ValueError(f"drafter variant {config.variant!r} is not one of {list(VARIANTS)}.")
-    own = {"dflash": (), "dflash2": DFLASH2_KEYS, "dspark": ("markov_rank",)}[config.variant]
-    foreign = [k for k in (*DFLASH2_KEYS, "markov_rank") if k not in own and getattr(config, k)]
-    if foreign or (config.variant != "dspark" and config.enable_confidence_head):
+    variant = get_variant(config.variant)
+    foreign = [
+        key
+        for other in registered_variants()
+        if other is not variant
+        for key, unused in other.config_fields.items()
+        if key not in variant.config_fields and getattr(config, key) != unused
+    ]
+    if foreign:
         raise ValueError(
-            f"{foreign or ['enable_confidence_head']} belong to another drafter variant than {config.variant!r}: "
+            f"{foreign} belong to another drafter variant than {config.variant!r}: "
             "leave them at 0 / false or choose the variant they belong to."
         )
-    bad = [k for k in own if getattr(config, k) < 1]
-    if bad:
-        raise ValueError(
-            f"{config.variant} needs {bad} >= 1 (the drafter variant's defaults come from the recipe)."
-        )
-    if config.variant == "dflash2":
-        if config.hidden_size % config.conv_group_size:
-            raise ValueError(
-                f"conv_group_size={config.conv_group_size} must divide hidden_size={config.hidden_size} "
-                "(channels are convolved in groups of that size); use a divisor, e.g. 16 or 8."
-            )
-        if config.selector_top_k > config.vocab_size:
-            raise ValueError(
-                f"selector_top_k={config.selector_top_k} exceeds the vocabulary ({config.vocab_size})."
-            )
-    if config.variant == "dspark":
-        if config.markov_head_type != "vanilla":
-            raise NotImplementedError(
-                f"markov_head_type={config.markov_head_type!r}: only DSpark's 'vanilla' Markov head is "
-                "implemented (DeepSpec's 'gated' and 'rnn' heads are not); use 'vanilla'."
-            )
-        if config.confidence_head_with_markov and not config.enable_confidence_head:
-            raise ValueError("confidence_head_with_markov=true needs enable_confidence_head=true.")
-
-
-def add_variant_fields(config: DFlashDraftConfig, out: dict[str, Any]) -> None:
-    """The serving keys of DFlash2 / DSpark, added to the DFlash layout ``out`` in place."""
-    out["is_causal"] = config.is_causal  # explicit: engines disagree on the default without it
-    dflash = out["dflash_config"]
-    if config.variant == "dflash2":
-        dflash.update({k: getattr(config, k) for k in DFLASH2_KEYS})
-        return
-    fields = {k: getattr(config, k) for k in DSPARK_KEYS}
-    # DeepSpec's layout is top-level; SpecForge's and llama.cpp's DFlash converter read dflash_config.
-    out.update(fields, mask_token_id=config.mask_token_id, target_layer_ids=list(config.target_layer_ids))
-    out["sample_from_anchor"] = True
-    dflash.update(fields, projector_type="dspark", sample_from_anchor=True)
-
-
-def read_variant_fields(raw: dict[str, Any]) -> dict[str, Any]:
-    """The variant and its fields of a serving ``config.json`` (``add_variant_fields`` inverted)."""
-    names = raw.get("architectures") or ["DFlashDraftModel"]
-    if names[0] not in READ_ARCHITECTURES:
-        raise ValueError(
-            f"config.json architecture {names[0]!r} is not a drafter this project loads; expected one of "
-            f"{sorted(READ_ARCHITECTURES)}."
-        )
-    variant = READ_ARCHITECTURES[names[0]]
-    dflash = raw.get("dflash_config") or {}
-
-    def value(key: str, default: Any) -> Any:
-        return dflash.get(key, raw.get(key, default))
-
-    if variant == "dflash2":
-        return {"variant": variant, **{k: int(value(k, 0)) for k in DFLASH2_KEYS}}
-    if variant == "dspark":
-        if not value("sample_from_anchor", True):
-            raise NotImplementedError(
-                "config.json has sample_from_anchor=false (the speculators DSpark convention: slot j predicts "
-                "anchor+j, slot 0 unused): only DeepSpec's sample_from_anchor=true layout is implemented."
-            )
-        return {
-            "variant": variant,
-            "markov_rank": int(value("markov_rank", 0)),
-            "markov_head_type": str(value("markov_head_type", "vanilla")),
-            "enable_confidence_head": bool(value("enable_confidence_head", False)),
-            "confidence_head_with_markov": bool(value("confidence_head_with_markov", False)),
-        }
-    return {"variant": variant}
+    variant.check_config(config)

@@ -18,7 +18,8 @@ Confidence head (``confidence_head.proj``, a linear [H + r] -> 1 with bias): pre
 probability that the target accepts the draft, from the slot's hidden state and (DeepSpec's
 ``confidence_head_with_markov``) ``markov_w1[prev_k]``. Trained against ``1 - TV(p_draft, p_target)``
 (``train/variant_terms.py``); engines use it to stop a block early (llama.cpp ``--spec-draft-p-min``),
-which the eval here does not (full blocks, as serve-check runs llama.cpp with ``-p-min 0``).
+which the drafter reproduces with ``set_draft_p_min`` (the eval's ``--draft-p-min``; 0, full blocks,
+by default, as the engines).
 
 Shapes: M blocks, D = B slots, H hidden, r Markov rank, V vocab.
 """

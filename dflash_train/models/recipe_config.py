@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dflash_train.models.variant import DEFAULT_VARIANT, get_variant, registered_variants
+
 
 @dataclass(kw_only=True)
 class TargetConfig:
@@ -72,11 +74,11 @@ class DrafterConfig:
     mask_token_id: int = -1
     # Initialise from an exported drafter directory instead of random weights.
     init_from: str = ""
-    # Architecture variant (docs/training.md "Variants"): "dflash"; "dflash2" (DFlash2: a grouped
-    # dynamic causal convolution around both sublayers of every layer, and a candidate selector);
-    # "dspark" (DSpark: a Markov head and a confidence head; every block slot predicts the next
-    # token, so a block of block_size drafts block_size tokens).
-    variant: Literal["dflash", "dflash2", "dspark"] = "dflash"
+    # Architecture variant (docs/training.md "Variants"; one module each in models/variants/): dflash;
+    # dflash2 (DFlash2: a grouped dynamic causal convolution around both sublayers of every layer, and
+    # a candidate selector); dspark (DSpark: a Markov head and a confidence head; every block slot
+    # predicts the next token, so a block of block_size drafts block_size tokens).
+    variant: str = DEFAULT_VARIANT
     # dflash2: convolution taps and channels per dynamic group (0 = DFlash2's 2 and 16).
     conv_kernel_size: int = 0
     conv_group_size: int = 0
@@ -104,67 +106,33 @@ class DrafterConfig:
     def num_verify_tokens(self) -> int:
         """Tokens a round verifies: block_size (the last token and B-1 drafts), or block_size + 1 for
         DSpark (every slot drafts); ``DFlashDraftConfig.num_verify_tokens`` of the resolved drafter."""
-        return self.block_size + (self.variant == "dspark")
+        return self.block_size + 1 - get_variant(self.variant).first_scored_slot
 
     def variant_fields(self) -> dict:
         """The variant's fields of the resolved ``DFlashDraftConfig`` (defaults filled in)."""
-        if self.variant == "dflash2":
-            return {
-                "variant": "dflash2",
-                "conv_kernel_size": self.conv_kernel_size or 2,
-                "conv_group_size": self.conv_group_size or 16,
-                "selector_rank": self.selector_rank or 256,
-                "selector_top_k": self.selector_top_k or 16,
-            }
-        if self.variant == "dspark":
-            return {
-                "variant": "dspark",
-                "markov_rank": self.markov_rank or 256,
-                "enable_confidence_head": self.confidence_head,
-                "confidence_head_with_markov": self.confidence_head,
-            }
-        return {"variant": "dflash"}
-
-
-DFLASH2_SETTINGS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+        return {"variant": self.variant, **get_variant(self.variant).resolved_fields(self)}
 
 
 def check_variant_settings(d: DrafterConfig) -> None:
     """Settings of another variant than ``drafter.variant`` are refused (they would be ignored)."""
-    foreign = [k for k in DFLASH2_SETTINGS if d.variant != "dflash2" and getattr(d, k)]
-    foreign += ["markov_rank"] if d.variant != "dspark" and d.markov_rank else []
+    variant = get_variant(d.variant)
+    others = [v for v in registered_variants() if v is not variant]
+    foreign = [f"drafter.{k}" for v in others for k in v.recipe_sizes if getattr(d, k)]
     if foreign:
-        keys = ", ".join(f"drafter.{k}" for k in foreign)
+        owners = "; ".join(f"{', '.join(v.recipe_sizes)} are {v.name}'s" for v in others if v.recipe_sizes)
         raise ValueError(
-            f"{keys} set with drafter.variant={d.variant}: they configure another variant "
-            "(conv_*/selector_* are dflash2's, markov_rank dspark's); remove them or set drafter.variant."
+            f"{', '.join(foreign)} set with drafter.variant={d.variant}: they configure another variant "
+            f"({owners}); remove them or set drafter.variant."
         )
-    negative = [k for k in (*DFLASH2_SETTINGS, "markov_rank") if getattr(d, k) < 0]
-    weights = ("selector_loss_weight", "dspark_ce_weight", "dspark_tv_weight", "confidence_loss_weight")
-    negative += [k for k in weights if getattr(d, k) < 0]
+    numeric = [k for v in registered_variants() for k in (*v.recipe_sizes, *v.recipe_weights)]
+    negative = [k for k in numeric if getattr(d, k) < 0]
     if negative:
         raise ValueError(
             f"drafter.{negative[0]}={getattr(d, negative[0])}: must be >= 0 (0 = the default size)."
         )
-    if d.variant == "dspark" and d.dspark_ce_weight + d.dspark_tv_weight <= 0:
-        raise ValueError(
-            "drafter.dspark_ce_weight + drafter.dspark_tv_weight must be > 0: the block needs a token loss "
-            "(DeepSpec uses 0.1 and 0.9)."
-        )
-
-
-def variant_needs_teacher(d: DrafterConfig) -> bool:
-    """DSpark's TV term and confidence target use the target's own next-token distribution."""
-    return d.variant == "dspark" and (
-        d.dspark_tv_weight > 0 or (d.confidence_head and d.confidence_loss_weight > 0)
-    )
+    variant.check_settings(d)
 
 
 def check_variant_placement(d: DrafterConfig, placement: str) -> None:
     """Split placement streams only features: a variant that needs the teacher must be colocated."""
-    if placement == "split" and variant_needs_teacher(d):
-        raise NotImplementedError(
-            "drafter.variant=dspark with its TV term or confidence head needs the target's final hidden "
-            "states, which train.placement=split does not stream; use train.placement=colocated, or set "
-            "drafter.dspark_tv_weight=0 and drafter.confidence_head=false."
-        )
+    get_variant(d.variant).check_placement(d, placement)

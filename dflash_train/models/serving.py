@@ -9,17 +9,15 @@ the exact flags for one export, and the engine differences that matter for it:
 - SGLang ignores ``is_causal`` (sliding layers are always causal in-block there);
 - engines differ on the last target layer's feature (before or after the final norm).
 
-DFlash2 exports serve with SGLang's ``DFLASH`` algorithm (its DFlash2 support was reported merged as
-SGLang PR #35371) and vLLM's ``dflash`` method on the V2 model runner (vLLM PR #52816, which
-registers ``DFlash2DraftModel`` and runs its selector in ``spec_decode/dflash2``). DSpark exports
-serve with SGLang's ``DSPARK`` algorithm (``--speculative-num-draft-tokens B + 1``: every block slot
-drafts) and vLLM's ``dspark`` method (``num_speculative_tokens: B``), whose speculator also lives in
-the V2 model runner (``spec_decode/dspark``). These flags come from the engines' sources as read,
-not from a served run here (docs/training.md, "Serving the export").
+Each variant names its engines' entry points in its module (``models/variants/``: SGLang's
+``--speculative-algorithm``, vLLM's method and V2-runner need, llama.cpp's ``--spec-type``); a
+round verifies ``num_verify_tokens`` (B, or B + 1 for DSpark, whose every slot drafts). The DFlash2
+and DSpark flags come from the engines' sources as read, not from a served run here (docs/training.md,
+"Serving the export").
 
 llama.cpp gets two lines, built by the functions ``serve-check`` runs them with: the drafter alone
 (``--spec-draft-p-min 0``: a block is never cut where the eval scores it whole), and its
-``ngram-simple`` prompt lookup first (``--spec-type ngram-simple,draft-dflash``), the configuration
+``ngram-simple`` prompt lookup first (``--spec-type ngram-simple,<the variant's spec type>``), the configuration
 the eval's ``ngram+dflash`` simulates. Which one to serve depends on the prompts: SERVING.md states
 the eval's numbers and the pick where ``eval.json`` in the export has them, else how to measure.
 """
@@ -30,6 +28,7 @@ import json
 from pathlib import Path
 
 from dflash_train.models.drafter_config import DFlashDraftConfig
+from dflash_train.models.variant import get_variant
 
 SERVING_NOTES_NAME = "SERVING.md"
 # llama.cpp's ngram-simple key size in the served combination: the eval's ``--ngram-min-match``
@@ -71,21 +70,23 @@ def serving_flags(
     with the drafter alone, or with ngram-simple first; docs/training.md). ``lookup`` is
     ngram-simple's (key size, draft limit); default (3, the drafter's drafts per round)."""
     draft = str(Path(export_dir).resolve())
-    method = "dspark" if config.variant == "dspark" else "dflash"
+    variant = get_variant(config.variant)
     drafts = config.num_draft_tokens
     key_size, max_draft = lookup or (LOOKUP_KEY_SIZE, drafts)
-    vllm_config = json.dumps({"method": method, "model": draft, "num_speculative_tokens": drafts})
+    vllm_config = json.dumps(
+        {"method": variant.vllm_method, "model": draft, "num_speculative_tokens": drafts}
+    )
     vllm_env = "VLLM_USE_V2_MODEL_RUNNER=1 " if needs_vllm_v2_runner(config) else ""
     convert = (
         f"python convert_hf_to_gguf.py {draft} --target-model-dir {target} --outtype f32 --outfile draft.gguf"
     )
     server = "llama-server -m TARGET.gguf -md draft.gguf"
-    alone = llama_cpp_drafter_args(f"draft-{method}", drafts)
-    combined = llama_cpp_combined_args(f"draft-{method}", drafts, key_size, max_draft)
+    alone = llama_cpp_drafter_args(variant.llama_cpp_spec_type, drafts)
+    combined = llama_cpp_combined_args(variant.llama_cpp_spec_type, drafts, key_size, max_draft)
     return {
         "sglang": (
             f"python -m sglang.launch_server --model-path {target} "
-            f"--speculative-algorithm {method.upper()} --speculative-draft-model-path {draft} "
+            f"--speculative-algorithm {variant.sglang_algorithm} --speculative-draft-model-path {draft} "
             f"--speculative-num-draft-tokens {config.num_verify_tokens}"
         ),
         "vllm": f"{vllm_env}vllm serve {target} --speculative-config '{vllm_config}'",
@@ -97,13 +98,13 @@ def serving_flags(
 def needs_vllm_v2_runner(config: DFlashDraftConfig) -> bool:
     """Mixed sliding/full layers need several KV-cache groups, which only vLLM's V2 runner has; the
     DFlash2 and DSpark speculators exist only there."""
-    return len(set(config.layer_types)) > 1 or config.variant != "dflash"
+    return len(set(config.layer_types)) > 1 or get_variant(config.variant).needs_vllm_v2_runner
 
 
 def serving_warnings(config: DFlashDraftConfig) -> list[str]:
     """Engine differences that apply to this drafter (empty when it serves the same everywhere)."""
     notes = []
-    if config.variant != "dflash":
+    if get_variant(config.variant).needs_vllm_v2_runner:
         notes.append(
             f"A {config.variant} drafter: vLLM runs it only on its V2 model runner (`VLLM_USE_V2_MODEL_RUNNER=1`, "
             "included above), and SGLang and vLLM need versions with its speculator; llama.cpp loads it too "
@@ -119,6 +120,8 @@ def serving_warnings(config: DFlashDraftConfig) -> list[str]:
             "`is_causal: false` with sliding layers: vLLM honours it, SGLang ignores it and runs sliding "
             "layers causal in-block, so SGLang would not serve the drafter as it was trained."
         )
+    notes += llama_cpp_causality_warnings(config)
+    notes += get_variant(config.variant).serving_warnings(config)
     if config.num_target_layers - 1 in config.target_layer_ids:
         notes.append(
             f"target_layer_ids {config.target_layer_ids} include the target's last layer "
@@ -176,6 +179,25 @@ def lookup_advice(measured: dict | None, export_dir: str | Path, target: str) ->
     return [f"{numbers} {pick} tau is not tokens/s: `dflash-train serve-check` measures both in llama.cpp."]
 
 
+def llama_cpp_causality_warnings(config: DFlashDraftConfig) -> list[str]:
+    """llama.cpp runs the block attention of every layer one way, causal iff the export's ``is_causal``
+    is true (its ``dflash.attention.causal``); here a full layer is bidirectional in-block and a
+    sliding layer causal unless ``is_causal`` is false. A drafter whose layers differ from that one
+    way does not serve through llama.cpp as trained."""
+    served_causal = bool(config.to_serving_dict().get("is_causal", False))
+    trained_causal = {"full_attention": False, "sliding_attention": config.is_causal}
+    differ = sorted({kind for kind in config.layer_types if trained_causal[kind] != served_causal})
+    if not differ:
+        return []
+    mode = "causal" if served_causal else "bidirectional"
+    return [
+        f"llama.cpp runs every layer's in-block attention {mode} here (one flag, from `is_causal`), so "
+        f"its {' and '.join(differ)} layers would not run as trained (acceptance drops); serve it with "
+        "SGLang or vLLM, or train a drafter llama.cpp reproduces (full attention layers only, or "
+        "drafter.is_causal=false)."
+    ]
+
+
 def serving_notes(config: DFlashDraftConfig, export_dir: str | Path, target: str = "<target>") -> str:
     """The text of ``SERVING.md``: block length, the engines' launch commands, llama.cpp's
     lookup-first combination with the eval's numbers where ``export_dir/eval.json`` has them, and
@@ -183,7 +205,7 @@ def serving_notes(config: DFlashDraftConfig, export_dir: str | Path, target: str
     measured = measured_lookup(export_dir)
     flags = serving_flags(config, export_dir, target, None if measured is None else measured["lookup"])
     block, drafts, verify = config.block_size, config.num_draft_tokens, config.num_verify_tokens
-    name = {"dflash": "DFlash", "dflash2": "DFlash2", "dspark": "DSpark"}[config.variant]
+    name = get_variant(config.variant).label
     lines = [
         f"# Serving this {name} drafter",
         "",

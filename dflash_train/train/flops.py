@@ -37,6 +37,7 @@ from typing import Any
 
 from dflash_train.models.drafter_config import DFlashDraftConfig
 from dflash_train.models.presets import text_config
+from dflash_train.models.variant import get_variant
 
 # bf16 dense matmul peak of one H200, measured at 8192^3 (DESIGN.md section 4).
 H200_PEAK_FLOPS = 798e12
@@ -198,28 +199,14 @@ def drafter_layer_flops(dc: DFlashDraftConfig, layer_idx: int, seq_len: int, num
     # In-block keys: all K (bidirectional), or (K+1)/2 on average for a causal sliding layer.
     in_block = (block + 1) / 2 if sliding and dc.is_causal else block
     scores = 4.0 * h * d * tokens * (context + in_block)
-    # DFlash2: each sublayer's kernel projection (H -> 2 * taps * groups) and its two convolutions.
-    convs = 0.0
-    if dc.variant == "dflash2":
-        groups = hidden // dc.conv_group_size
-        convs = 2 * (
-            2.0 * tokens * hidden * 2 * dc.conv_kernel_size * groups
-            + 4.0 * tokens * hidden * dc.conv_kernel_size
-        )
-    return projections + mlp + scores + convs
+    return projections + mlp + scores + get_variant(dc.variant).layer_flops(dc, tokens)
 
 
 def variant_head_flops(dc: DFlashDraftConfig, num_anchors: int) -> float:
-    """Forward FLOPs of a variant's heads on the scored block tokens. DFlash2: the selector's
-    hidden projection and candidate scores (its convolutions are in ``drafter_layer_flops``).
-    DSpark: the Markov bias over the vocabulary (rank r x V per token, next to the LM head's H x V)
-    and the confidence head."""
-    tokens = num_anchors * dc.num_draft_tokens
-    if dc.variant == "dflash2":
-        return 2.0 * tokens * dc.selector_rank * (dc.hidden_size + dc.selector_top_k)
-    if dc.variant == "dspark":
-        return 2.0 * tokens * (dc.markov_rank * dc.vocab_size + dc.hidden_size + dc.markov_rank)
-    return 0.0
+    """Forward FLOPs of the variant's heads on the scored block tokens (``head_flops`` of its module:
+    DFlash2's selector, DSpark's Markov bias and confidence head; its per-layer additions, such as
+    DFlash2's convolutions, are in ``drafter_layer_flops``)."""
+    return get_variant(dc.variant).head_flops(dc, num_anchors * dc.num_draft_tokens)
 
 
 def mean_visible_context(seq_len: int, window: int | None = None) -> float:

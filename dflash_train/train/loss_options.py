@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dflash_train.models.variant import get_variant
+
 LOSS_KINDS = ("ce", "kl", "ce+kl")
 WEIGHTINGS = ("decay", "dpace")
 
@@ -50,15 +52,7 @@ class LossOptions:
     def from_train_config(cls, train, drafter=None) -> LossOptions:
         """The options of a ``TrainConfig`` (``train.loss``, ``kl_weight``, ``kl_topk``, ...) and, with
         the recipe's ``DrafterConfig``, its variant's loss weights."""
-        variant = {}
-        if drafter is not None and drafter.variant == "dflash2":
-            variant = {"selector_weight": drafter.selector_loss_weight}
-        if drafter is not None and drafter.variant == "dspark":
-            variant = {
-                "ce_weight": drafter.dspark_ce_weight,
-                "tv_weight": drafter.dspark_tv_weight,
-                "confidence_weight": drafter.confidence_loss_weight if drafter.confidence_head else 0.0,
-            }
+        variant = {} if drafter is None else get_variant(drafter.variant).loss_weights(drafter)
         return cls(
             loss=train.loss,
             kl_weight=train.kl_weight,

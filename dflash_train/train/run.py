@@ -316,7 +316,7 @@ def maybe_resume(run: Run) -> None:
         loaded["config"],
         run.cfg.to_dict(),
         run.cfg.checkpoint.allow_changed,
-        saved_drafter=loaded["drafter_config"],
+        saved_drafter=type(run.draft_config).from_serving_dict(loaded["drafter_config"]).to_serving_dict(),
         current_drafter=run.draft_config.to_serving_dict(),
     )
     state = loaded["train_state"]

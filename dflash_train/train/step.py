@@ -20,6 +20,7 @@ from torch import nn
 
 from dflash_train.data.batching import same_segment
 from dflash_train.models.dtypes import DTYPES
+from dflash_train.models.variant import get_variant
 from dflash_train.train.builders import resolve_backend
 from dflash_train.train.faults import any_rank_flags
 from dflash_train.train.flops import mfu, train_step_flops
@@ -68,8 +69,7 @@ def prepare_micro_batch(run: Run, batch, epoch: int) -> dict[str, torch.Tensor]:
     labels, label_valid = block_targets(input_ids, loss_mask, anchors, width)
     if position_ids is not None:
         label_valid = label_valid & same_segment(position_ids, anchors, width)
-    if run.cfg.drafter.variant == "dspark":  # DeepSpec scores a block's contiguous valid prefix only
-        label_valid = label_valid.long().cumprod(-1).bool()
+    label_valid = get_variant(run.cfg.drafter.variant).scored_labels(label_valid)
     # What this micro-batch adds to the step's loss denominator (decay weights, or kept blocks).
     weights = denominator_weights(keep, label_valid, run.gamma, loss_options(run))
     return {
