@@ -1,0 +1,148 @@
+"""Top-p (nucleus) draws without sorting the vocabulary: an exact threshold search, then inverse-CDF
+sampling in token-id order.
+
+The nucleus is defined by the sorted order (probabilities descending, ties by token id): a token is
+in it when the mass before it in that order is below ``top_p``, so the most likely token always is.
+That set is a prefix of the order, hence "every token above one threshold probability, plus the
+first few tokens, by id, tied at it". Nothing here sorts; every step is a fixed-shape tensor
+operation without host syncs, so the draw can be captured in the decode step's CUDA graph:
+
+- **Integer masses.** A probability ``p`` weighs ``floor(p * 2**60)`` (``masses``). Sums of these
+  integers are exact in any order, so the threshold found, and the token drawn, are the same on CPU
+  and GPU, compiled or eager, in any batch (a token below 2**-60 is never drawn; the old float32
+  cumsum rounded the masses at ~1e-7 instead, so a nucleus boundary within that of ``top_p`` can
+  come out differently than before).
+- **Threshold search.** Non-negative float32s order like their int32 bit patterns, and a
+  probability's pattern lies in [0, 2**30). The threshold is the smallest pattern ``b`` whose mass
+  strictly above it is below the limit: ``NUM_ROUNDS`` rounds each fix ``DIGIT_BITS`` bits of it,
+  from one masked sum over the vocabulary per candidate digit (the sums of a round read the same
+  tensor, so a compiler fuses them into one pass).
+- **Ties at the threshold.** The j-th token (by id) with pattern ``b`` has ``mass_above + j * m``
+  before it in the sorted order (``m`` the mass of the threshold value), so the first
+  ``ceil((limit - mass_above) / m)`` of them are in: exactly what the stable sort keeps.
+- **The draw.** The cumulative nucleus mass in token-id order (one cumsum of the masses above the
+  threshold, plus the admitted ties' share) against ``floor(u * total)``: the first token whose
+  cumulative mass exceeds it. A uniform therefore maps to tokens in id order, not in the sorted
+  order of the earlier sampler: the same (seed, key, step) draws from the same distribution, but
+  generally another token than before.
+
+On CUDA the draw runs through ``torch.compile`` (one compiled function per ``top_p``, the batch
+dimension dynamic): eagerly, each masked sum would be its own passes over the vocabulary. It is
+integer arithmetic only, so the compiled and the eager draws are identical.
+
+Shapes: R rows, V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+MASS_BITS = 60  # a probability p weighs floor(p * 2**60); the sum of a row's masses stays < 2**63
+PATTERN_BITS = 30  # float32 patterns of probabilities in [0, 1] lie in [0, 2**30) (1.0 is 0x3F800000)
+DIGIT_BITS = 3  # bits of the threshold fixed per search round: 2**3 - 1 = 7 masked sums each
+NUM_ROUNDS = PATTERN_BITS // DIGIT_BITS
+
+_compiled: Callable | None = None
+
+
+def masses(probs: torch.Tensor) -> torch.Tensor:
+    """Integer masses floor(p * 2**60) of float32 probabilities (int64, same shape; exact: scaling by
+    a power of two and truncating a non-negative float lose nothing else)."""
+    return (probs * 2.0**MASS_BITS).to(torch.int64)
+
+
+def mass_limit(top_p: float) -> int | None:
+    """The integer bound the mass before a nucleus token stays below; None for ``top_p`` 1 (the
+    whole vocabulary, as the sorted sampler never masked there either)."""
+    return None if top_p >= 1 else math.ceil(top_p * 2**MASS_BITS)
+
+
+def threshold_search(
+    patterns: torch.Tensor, weights: torch.Tensor, limit: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(smallest pattern b with mass above b below ``limit`` [R, 1] int32, that mass [R, 1] int64).
+
+    The search keeps b in (low, low + 8 * step]; each round evaluates the 7 thresholds inside and
+    moves to the slice where the mass above falls below the limit (it never grows as b grows). The
+    upper end's mass is carried along, so the mass above the answer costs no extra pass.
+    """
+    num_digits = 2**DIGIT_BITS
+    low = torch.full_like(patterns[:, :1], -1)  # the answer is > low; low itself is never evaluated
+    mass_at_high = torch.zeros_like(weights[:, :1])  # above 2**30 - 1: nothing
+    step = 2**PATTERN_BITS
+    for _ in range(NUM_ROUNDS):
+        step //= num_digits
+        above = torch.cat(
+            [
+                torch.where(patterns > low + k * step, weights, 0).sum(-1, keepdim=True)
+                for k in range(1, num_digits)
+            ],
+            dim=-1,
+        )  # [R, 7], non-increasing
+        num_heavy = (above >= limit).sum(-1, keepdim=True)  # thresholds 1..n still carry >= limit
+        low = low + (num_heavy * step).to(low.dtype)
+        next_high_mass = above.gather(-1, num_heavy.clamp(max=num_digits - 2))
+        mass_at_high = torch.where(num_heavy < num_digits - 1, next_high_mass, mass_at_high)
+    return low + 1, mass_at_high
+
+
+def nucleus_bounds(probs: torch.Tensor, limit: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The nucleus as (threshold pattern [R, 1] int32, how many tokens tied at it are in [R, 1] int64):
+    every token above the threshold is in, and the first ones by id of those at it."""
+    if limit is None:  # everything: every pattern is >= 0, and all tokens at 0 are in
+        zeros = torch.zeros_like(probs[:, :1], dtype=torch.int32)
+        return zeros, torch.full_like(zeros, probs.shape[-1], dtype=torch.int64)
+    threshold, mass_above = threshold_search(probs.view(torch.int32), masses(probs), limit)
+    tie_mass = masses(threshold.view(torch.float32))
+    needed = limit - mass_above  # >= 1
+    quota = torch.where(tie_mass > 0, (needed + tie_mass - 1) // tie_mass.clamp(min=1), probs.shape[-1])
+    return threshold, quota
+
+
+def nucleus_mask(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Which tokens are in each row's nucleus: bool [R, V]."""
+    threshold, quota = nucleus_bounds(probs, mass_limit(top_p))
+    patterns = probs.view(torch.int32)
+    tied = patterns == threshold
+    return (patterns > threshold) | (tied & (tied.cumsum(-1) <= quota))
+
+
+def nucleus_tokens(probs: torch.Tensor, uniforms: torch.Tensor, top_p: float) -> torch.Tensor:
+    """One token per row from its nucleus, by inverse CDF in token-id order: [R] int64.
+
+    ``probs`` [R, V] float32 (contiguous), ``uniforms`` [R] in [0, 1) (``sampling.row_uniforms``).
+    On CUDA this runs compiled (see the module docstring), eagerly elsewhere or inside a region that
+    is itself being compiled.
+    """
+    limit = mass_limit(top_p)
+    if probs.device.type != "cuda" or torch.compiler.is_compiling():
+        return draw_below_limit(probs, uniforms, limit)
+    torch._dynamo.maybe_mark_dynamic(probs, 0)  # prefill draws come in groups of any size
+    torch._dynamo.maybe_mark_dynamic(uniforms, 0)
+    return compiled_draw()(probs, uniforms, limit)
+
+
+def draw_below_limit(probs: torch.Tensor, uniforms: torch.Tensor, limit: int | None) -> torch.Tensor:
+    """``nucleus_tokens`` for the integer ``mass_limit``."""
+    threshold, quota = nucleus_bounds(probs, limit)
+    patterns, weights = probs.view(torch.int32), masses(probs)
+    tie_mass = masses(threshold.view(torch.float32))
+    admitted_ties = torch.minimum((patterns == threshold).cumsum(-1), quota)  # ties in, up to each id
+    cdf = torch.where(patterns > threshold, weights, 0).cumsum(-1) + tie_mass * admitted_ties
+    total = cdf[:, -1:]  # >= 1: the most likely token weighs >= 2**60 / V
+    target = (uniforms.to(torch.float64)[:, None] * total.to(torch.float64)).floor().to(torch.int64)
+    target = torch.minimum(target.clamp(min=0), total - 1)  # a uniform rounded up to 1.0 stays inside
+    return (cdf <= target).sum(-1)  # the first token whose cumulative mass exceeds the target
+
+
+def compiled_draw() -> Callable[[torch.Tensor, torch.Tensor, int | None], torch.Tensor]:
+    """``draw_below_limit`` compiled, made once per process (the batch dimension is dynamic; the
+    limit, a Python int, is a constant of each compiled variant, so a captured graph reads no host
+    value)."""
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(draw_below_limit, fullgraph=True)
+    return _compiled
