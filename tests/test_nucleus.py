@@ -186,6 +186,29 @@ def test_the_compiled_draw_is_the_eager_one():
                 assert torch.equal(generated(probs, uniforms, mass_limit(top_p)), eager)
 
 
+@pytest.mark.parametrize("num_slices", [8, 1024])
+def test_masked_sums_and_the_histogram_give_the_same_masses(num_slices):
+    """One search round both ways (compiled: masked sums; eager: a scatter), inside intervals that
+    cut through random, tied and flat rows."""
+    probs = torch.cat(
+        [torch.softmax(logits_of(kind, 2, 4096, seed=5), dim=-1) for kind in ("random", "ties", "flat")]
+    )
+    patterns, weights = probs.view(torch.int32), masses(probs)
+    for low_value, step in [
+        (-1, 2**30 // num_slices),
+        (int(patterns[1].max()) - 9, 3 * 2**10 // num_slices or 1),
+    ]:
+        step = 1 << (step.bit_length() - 1)  # a power of two, as in the search
+        low = torch.full((6, 1), low_value, dtype=torch.int32)
+        mass_at_high = torch.where(patterns > low + num_slices * step, weights, 0).sum(-1, keepdim=True)
+        masked = nucleus.masked_masses_above(patterns, weights, low, step, num_slices, mass_at_high)
+        binned = nucleus.binned_masses_above(
+            patterns.long(), weights, low.long(), step, num_slices, mass_at_high
+        )
+        assert torch.equal(masked, binned)
+        assert masked.shape == (6, num_slices - 1) and bool((masked[:, :-1] >= masked[:, 1:]).all())
+
+
 @pytest.mark.gpu
 def test_the_sampler_replays_in_a_cuda_graph_with_new_inputs():
     """The draw captured in a CUDA graph (after eager warm-ups on the capture stream, as the decode
