@@ -26,9 +26,10 @@ operation without host syncs, so the draw can be captured in the decode step's C
   order of the earlier sampler: the same (seed, key, step) draws from the same distribution, but
   generally another token than before.
 
-On CUDA the draw runs through ``torch.compile`` (one compiled function per ``top_p``, the batch
-dimension dynamic): eagerly, each masked sum would be its own passes over the vocabulary. It is
-integer arithmetic only, so the compiled and the eager draws are identical.
+On CUDA the draw runs through ``torch.compile`` (the batch dimension dynamic), where each search
+round becomes one pass over the probabilities; eager calls (CPU, or inside a region that is itself
+being compiled) take the histogram rounds. After the caller's softmax everything is integer
+arithmetic, so the compiled and the eager draws are identical.
 
 Shapes: R rows, V vocab.
 """
@@ -164,9 +165,8 @@ def draw_below_limit(probs: torch.Tensor, uniforms: torch.Tensor, limit: int | N
 
 
 def compiled_draw() -> Callable[[torch.Tensor, torch.Tensor, int | None], torch.Tensor]:
-    """``draw_below_limit`` compiled, made once per process (the batch dimension is dynamic; the
-    limit, a Python int, is a constant of each compiled variant, so a captured graph reads no host
-    value)."""
+    """``draw_below_limit`` compiled, made once per process. The limit, a Python int, reaches the
+    kernels as a constant or an argument value, so a captured graph reads no host memory."""
     global _compiled
     if _compiled is None:
         _compiled = torch.compile(draw_below_limit, fullgraph=True)
