@@ -12,7 +12,8 @@
 #   eval        bench eval at the Qwen3.6-27B shape (8 layers); with $SMOLLM2 also the 164 x 512 bar
 #   decode      bench decode (needs $SMOLLM2, a SmolLM2-135M-Instruct directory)
 #   generation  bench generation at the Qwen3.6-27B shape (8 layers, 64 and 256 slots, against the padded
-#               engine); with $SMOLLM2 also 1,024 slots x 512 tokens with the decode-step profile
+#               engine; first the top-p draw alone, sort vs sort-free, at 1,024 x 49,152 and 64 x 248,320);
+#               with $SMOLLM2 also 1,024 slots x 512 tokens with the decode-step profile
 #   multi       scripts/gpu_multi_smoke.sh (NCCL smoke runs; a machine with 2+ GPUs)
 # The fla-core (and torchao) wheels in .whl/ are installed first when present.
 set -u
@@ -75,7 +76,7 @@ for group in "${groups[@]}"; do
     generation)
       bench_step generation_27b_8layers 900 generation "${q36[@]}" --num-layers 8 --batch-sizes 64,256 \
         --num-prompts 512 --max-new-tokens 256 --num-stop-ids 2 --engines padded,slots,slots-flex --profile \
-        --out "$OUT/generation_27b.json"
+        --sampler-shapes 1024x49152,64x248320 --out "$OUT/generation_27b.json"
       if [ -n "$SMOLLM2" ]; then
         bench_step generation_smollm2 600 generation --target "$SMOLLM2" --num-prompts 1024 --batch-sizes 1024 \
           --max-new-tokens 512 --engines slots,slots-flex,padded --profile --out "$OUT/generation_smollm2.json"

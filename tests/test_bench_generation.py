@@ -17,7 +17,7 @@ def test_the_generation_mode_reports_engines_agreement_and_the_decode_profile(tm
     code = main([
         "bench", "generation", "--preset", "tiny-qwen3", "--device", "cpu", "--num-prompts", "3",
         "--batch-sizes", "2", "--max-new-tokens", "64", "--engines", "padded,slots,slots-flex",
-        "--profile", "--out", str(out), "--no-progress", "--json",
+        "--profile", "--sampler-shapes", "3x256,2x1000", "--out", str(out), "--no-progress", "--json",
     ])  # fmt: skip
     assert code == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -31,9 +31,21 @@ def test_the_generation_mode_reports_engines_agreement_and_the_decode_profile(tm
     assert profile["status"] == "ok" and profile["step_ms"] > 0 and profile["step_over_floor"] > 1
     assert profile["traffic_bytes_per_step"]["kv"] > 0 and 0 <= profile["copy_share"] < 1
     assert profile["compile_decode"] is False and profile["kernels_per_step"] is None  # no kernels on a CPU
+    assert [(r["rows"], r["vocab"], r["status"]) for r in result["sampler"]] == [
+        (3, 256, "ok"),
+        (2, 1000, "ok"),
+    ]
+    for record in result["sampler"]:
+        assert record["sort_ms"] > 0 and record["sort_free_ms"] > 0 and record["nucleus_rows_differing"] == 0
 
 
 def test_bad_engine_lists_are_refused_with_the_choices(capsys):
     code = main(["bench", "generation", "--preset", "tiny-qwen3", "--engines", "slots,paged"])
     assert code != 0
     assert "a comma list of padded, slots, slots-flex" in capsys.readouterr().err
+
+
+def test_malformed_sampler_shapes_are_refused_with_the_format(capsys):
+    code = main(["bench", "generation", "--preset", "tiny-qwen3", "--sampler-shapes", "1024,49152"])
+    assert code != 0
+    assert "a comma list of ROWSxVOCAB" in capsys.readouterr().err

@@ -61,12 +61,10 @@ def mixed_prompts(vocab_size: int, num_rows: int = 9, seed: int = 0) -> list[lis
     return [torch.randint(1, vocab_size, (n,), generator=gen).tolist() for n in lengths]
 
 
-def stop_ids_for(model, prompts, fraction_rows: int = 3) -> set[int]:
-    """Stop ids that end some rows at once and others later: the greedy first and fifth tokens of a
-    few rows (the other rows keep going until they meet one, or the limit)."""
-    first = PaddedEngine(model, num_slots=len(prompts)).generate(
-        prompts, list(range(len(prompts))), max_new_tokens=5, stop_ids=set(), pad_id=0, sampling=GREEDY
-    )
+def stop_ids_for(model, prompts, sampling: Sampling = GREEDY) -> set[int]:
+    """Stop ids that end some rows at once and others later: the first token of row 0 and the fifth
+    of row 1 as ``run`` draws them (the other rows keep going until they meet one, or the limit)."""
+    first = run(PaddedEngine(model, num_slots=len(prompts)), prompts, set(), sampling, max_new_tokens=5)
     return {first[0].token_ids[0], first[1].token_ids[4]}
 
 
@@ -81,7 +79,7 @@ def run(engine, prompts, stops, sampling, max_new_tokens=24):
 @pytest.mark.parametrize("check_every", [1, 4])
 def test_slots_equal_the_padded_engine_row_for_row(monkeypatch, target, sampling, check_every):
     prompts = mixed_prompts(target.config.vocab_size)
-    stops = stop_ids_for(target, prompts)
+    stops = stop_ids_for(target, prompts, sampling)
     want = run(PaddedEngine(target, num_slots=len(prompts)), prompts, stops, sampling)
     running_at_admission = []
     real_prefill = generation.Run.prefill

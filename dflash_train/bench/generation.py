@@ -27,6 +27,10 @@ the graphed step's time against its memory-traffic floor (weights + each slot's 
 recurrent states, at the measured 4.16 TB/s copy bandwidth of an H200), and an eager step's GPU time
 by operator, with the share spent copying (written to ``decode_profile_<batch>.txt``).
 
+``--sampler-shapes 1024x49152,64x248320`` first times the top-p draw alone at each ROWSxVOCAB shape
+(``bench.sampler_timing``): the sort-based draw the engines ran before against the sort-free one,
+each captured in a CUDA graph as the decode step runs it.
+
 Random-weight presets rarely emit EOS: ``--num-stop-ids K`` makes K random token ids stop ids so
 rows end at different lengths (what continuous batching is for); a checkpoint stops at its EOS ids.
 Each step (an engine's warm-up and timed run, a verdict, a profile) runs under ``--step-timeout-s``;
@@ -53,6 +57,7 @@ import torch
 
 from dflash_train.bench.decode_profile import profile_decode
 from dflash_train.bench.progress import StepLimits, StepProgress
+from dflash_train.bench.sampler_timing import time_samplers
 from dflash_train.generate.engine import SlotEngine
 from dflash_train.generate.sampling import PaddedEngine, Sampling
 
@@ -93,6 +98,8 @@ class GenerationBenchOptions(StepLimits):
     check_every: int = 4
     kv_bucket: int = 0  # 0: the engine's default
     profile: bool = False
+    # Comma list of ROWSxVOCAB shapes at which to time the top-p draw alone (sort vs sort-free); "" = none.
+    sampler_shapes: str = ""
     dtype: str = "auto"
     device: str = "auto"
     out: str = ""
@@ -105,6 +112,7 @@ class GenerationBenchOptions(StepLimits):
             raise ValueError(f"--engines {self.engines!r}: a comma list of {', '.join(ENGINES)}")
         if not self.batch_size_list or min(self.batch_size_list) < 1 or min(self.prompt_len_range) < 1:
             raise ValueError("--batch-sizes and --prompt-len take positive integers, e.g. 64,256 and 32,256")
+        self.sampler_shape_list  # noqa: B018 (raises on a malformed list)
 
     @property
     def engine_list(self) -> list[str]:
@@ -113,6 +121,15 @@ class GenerationBenchOptions(StepLimits):
     @property
     def batch_size_list(self) -> list[int]:
         return [int(b) for b in self.batch_sizes.split(",") if b]
+
+    @property
+    def sampler_shape_list(self) -> list[tuple[int, int]]:
+        shapes = [shape.split("x") for shape in self.sampler_shapes.split(",") if shape]
+        if any(len(s) != 2 or not all(n.isdigit() and int(n) > 0 for n in s) for s in shapes):
+            raise ValueError(
+                f"--sampler-shapes {self.sampler_shapes!r}: a comma list of ROWSxVOCAB, e.g. 1024x49152"
+            )
+        return [(int(rows), int(vocab)) for rows, vocab in shapes]
 
     @property
     def prompt_len_range(self) -> tuple[int, int]:
@@ -140,6 +157,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check-every", type=int, default=4, help="slot engine: steps between host syncs")
     parser.add_argument("--kv-bucket", type=int, default=0, help="slot engine: attended-length granularity")
     parser.add_argument("--profile", action="store_true", help="profile the slot engine's decode step")
+    parser.add_argument(
+        "--sampler-shapes", default="", help="time the top-p draw alone (sort vs sort-free) at ROWSxVOCAB,..."
+    )
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default="", help="JSON rewritten after every step ($OUT or . by default)")
@@ -286,6 +306,7 @@ def run_generation_bench(options: GenerationBenchOptions) -> dict[str, Any]:
         "runs": [],
         "agreement": [],
         "profiles": [],
+        "sampler": [],
     }
 
     def save() -> None:
@@ -295,7 +316,10 @@ def run_generation_bench(options: GenerationBenchOptions) -> dict[str, Any]:
     # profiled: the plain slot engine's step, and the compiled one's when slots-compiled is benched
     profiled = [False, True][: 1 + ("slots-compiled" in engines)] if options.profile else []
     num_steps = len(sizes) * (2 * len(engines) + len(engines) - 1 + len(profiled))
-    with StepProgress("generation", num_steps, options) as progress:
+    with StepProgress("generation", num_steps + len(options.sampler_shape_list), options) as progress:
+        for rows, vocab in options.sampler_shape_list:
+            result["sampler"].append(sampler_step(rows, vocab, device, progress))
+            save()
         for batch_size in sizes:
             for compiled in profiled:
                 result["profiles"].append(
@@ -344,6 +368,14 @@ def profile_step(model, prompts, stops, batch_size, options, out: Path, progress
     return record | {"batch_size": batch_size, "compile_decode": compiled}
 
 
+def sampler_step(rows: int, vocab: int, device: torch.device, progress) -> dict:
+    def step():
+        with progress.step(f"sampler {rows}x{vocab}"):
+            return time_samplers(rows, vocab, device), None
+
+    return guarded({"rows": rows, "vocab": vocab}, step)[0]
+
+
 def print_table(result: dict) -> None:
     """The runs, the decode profiles and the agreement, for a reader (stderr)."""
     lines = [
@@ -365,6 +397,14 @@ def print_table(result: dict) -> None:
                 f"decode step at {r['batch_size']} slots ({r['decode_attention']}): {r['step_ms']:.2f} ms, floor "
                 f"{r['floor_ms']:.2f} ms (x{r['step_over_floor']:.1f}); eager: {r['copy_share']:.1%} in copies"
             )
+    for r in result["sampler"]:
+        if r.get("status") != "ok":
+            lines.append(f"top-p draw at {r['rows']}x{r['vocab']}: {r.get('status')}")
+            continue
+        lines.append(
+            f"top-p draw at {r['rows']}x{r['vocab']}: sort {r['sort_ms']:.3f} ms, sort-free {r['sort_free_ms']:.3f} ms "
+            f"(x{r['speedup']}); nucleus differs in {r['nucleus_rows_differing']} rows"
+        )
     for a in result["agreement"]:
         if "rows_identical" not in a:
             lines.append(

@@ -41,7 +41,11 @@ def engine_configurations(
 
     alone = {t: ["--spec-type", t, *sizes(t)] for t in ngram_types}
     combined = {
-        combined_run(t, spec_type): [*drafter, *llama_cpp_drafter_args(f"{t},{spec_type}", num_draft_tokens), *sizes(t)]
+        combined_run(t, spec_type): [
+            *drafter,
+            *llama_cpp_drafter_args(f"{t},{spec_type}", num_draft_tokens),
+            *sizes(t),
+        ]
         for t in ngram_types
     }
     return {

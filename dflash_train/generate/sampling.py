@@ -14,10 +14,13 @@ once at most half of the rows are still running the finished ones are dropped fr
 cache rows too), so a few long replies do not keep paying for a full batch.
 
 Randomness is per row, not per batch: the uniform number that picks row r's token at step t is a
-splitmix64 hash of (seed, key[r], t) (inverse-CDF sampling over the temperature- and top-p-shaped
-distribution, ties broken by a stable sort). A row's draw therefore depends only on its own key and
-logits, not on the batch it lands in, its batch size or a resumed run's position. Temperature 0 is
-greedy (argmax).
+splitmix64 hash of (seed, key[r], t), mapped to a token by inverse-CDF sampling over the
+temperature-shaped distribution restricted to its top-p nucleus, in token-id order
+(``generate/nucleus.py``: the nucleus is found without sorting the vocabulary). A row's draw
+therefore depends only on its own key and logits, not on the batch it lands in, its batch size or a
+resumed run's position. Temperature 0 is greedy (argmax). Earlier versions walked the CDF in sorted
+order (most likely token first): the same uniform generally picks another token now, from the same
+distribution.
 
 Shapes: R rows, L padded prompt length, V vocab.
 """
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_train.generate.nucleus import nucleus_tokens
 from dflash_train.hashing import shift_right_logical, splitmix64
 
 CHECK_EVERY = 4  # steps between host syncs that test "all rows done" and compact the batch
@@ -76,19 +80,12 @@ def row_uniforms(streams: torch.Tensor, step_key: torch.Tensor) -> torch.Tensor:
 
 
 def choose_tokens(logits: torch.Tensor, uniforms: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """Next token per row from ``logits`` [R, V] (float32): argmax, or inverse-CDF nucleus sampling."""
+    """Next token per row from ``logits`` [R, V] (float32): argmax, or an inverse-CDF draw from the
+    top-p nucleus of the temperature-scaled softmax (``generate.nucleus``: no sort)."""
     if sampling.temperature == 0:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits / sampling.temperature, dim=-1)
-    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
-    if sampling.top_p < 1:
-        # The nucleus: tokens whose preceding mass is below top_p (the most likely is always in).
-        outside = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= sampling.top_p
-        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-    cdf = sorted_probs.cumsum(dim=-1)
-    threshold = uniforms[:, None] * cdf[:, -1:]
-    pick = (cdf < threshold).sum(dim=-1).clamp(max=logits.shape[-1] - 1)  # first index with cdf >= u
-    return order.gather(-1, pick[:, None]).squeeze(-1)
+    return nucleus_tokens(probs, uniforms, sampling.top_p)
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,104 @@
+"""Top-p draw timing for ``dflash-train bench generation --sampler-shapes``: the sort-based draw the
+engines ran before against ``generate/nucleus.py``'s (``generate.sampling.choose_tokens``), per
+ROWSxVOCAB shape, on random logits at temperature 0.7, top-p 0.9.
+
+On CUDA each draw is timed as the decode step runs it: two eager warm-ups on a side stream (the
+first compiles the sort-free draw: ``first_call_s``), then captured in a CUDA graph and replayed
+``repeats`` times between CUDA events. On CPU (dry runs) the draws are timed eagerly. The record also
+counts the rows whose nucleus differs between the two (the sorted draw summed float32, the new one
+sums exact integers: only a boundary within float32 rounding of top-p can differ).
+
+Shapes: R rows, V vocab.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from dflash_train.generate.nucleus import nucleus_mask
+from dflash_train.generate.sampling import Sampling, choose_tokens
+
+TIMED = Sampling(temperature=0.7, top_p=0.9)
+LOGIT_SCALE = 4.0  # random logits this spread give nuclei of a few to a few thousand tokens
+
+
+def sorted_nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(probabilities sorted descending, stably, with the nucleus kept and the rest zeroed [R, V], their
+    token ids [R, V], the nucleus mask in sorted order [R, V]): the sort-based definition."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    inside = (sorted_probs.cumsum(dim=-1) - sorted_probs) < top_p
+    if top_p >= 1:
+        inside = torch.ones_like(inside)
+    return sorted_probs.masked_fill(~inside, 0.0), order, inside
+
+
+def sorted_draw(logits: torch.Tensor, uniforms: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """The previous sampler: softmax, full sort, nucleus mask, inverse CDF in sorted order: [R]."""
+    probs = torch.softmax(logits / sampling.temperature, dim=-1)
+    kept, order, _ = sorted_nucleus(probs, sampling.top_p)
+    cdf = kept.cumsum(dim=-1)
+    pick = (cdf < uniforms[:, None] * cdf[:, -1:]).sum(dim=-1).clamp(max=logits.shape[-1] - 1)
+    return order.gather(-1, pick[:, None]).squeeze(-1)
+
+
+def time_draw(draw: Callable, logits: torch.Tensor, uniforms: torch.Tensor, repeats: int) -> dict:
+    """{"ms": per draw, "first_call_s"}: graphed on CUDA (as in the decode step), eager on CPU."""
+    tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+
+    def step() -> None:
+        tokens.copy_(draw(logits, uniforms, TIMED))
+
+    if logits.device.type != "cuda":
+        started = time.perf_counter()
+        step()
+        first_call_s = time.perf_counter() - started
+        started = time.perf_counter()
+        for _ in range(repeats):
+            step()
+        return {"ms": (time.perf_counter() - started) / repeats * 1e3, "first_call_s": first_call_s}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        started = time.perf_counter()
+        step()
+        torch.cuda.synchronize()  # host sync: the first call's wall time, compilation included
+        first_call_s = time.perf_counter() - started
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        step()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()  # host sync: read the events
+    return {"ms": begin.elapsed_time(end) / repeats, "first_call_s": first_call_s}
+
+
+def time_samplers(num_rows: int, vocab: int, device: torch.device, repeats: int = 50) -> dict:
+    """One shape's record: both draws' times, the speed-up, and the rows whose nucleus differs."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    logits = torch.randn(num_rows, vocab, device=device, generator=generator) * LOGIT_SCALE
+    uniforms = torch.rand(num_rows, device=device, generator=generator)
+    record: dict = {"rows": num_rows, "vocab": vocab, "temperature": TIMED.temperature, "top_p": TIMED.top_p}
+    for name, draw in (("sort", sorted_draw), ("sort_free", choose_tokens)):
+        timing = time_draw(draw, logits, uniforms, repeats)
+        record |= {
+            f"{name}_ms": round(timing["ms"], 4),
+            f"{name}_first_call_s": round(timing["first_call_s"], 2),
+        }
+    record["speedup"] = round(record["sort_ms"] / max(record["sort_free_ms"], 1e-9), 2)
+    probs = torch.softmax(logits / TIMED.temperature, dim=-1)
+    _, order, inside = sorted_nucleus(probs, TIMED.top_p)
+    sorted_mask = torch.zeros_like(inside).scatter(-1, order, inside)
+    differing = (sorted_mask != nucleus_mask(probs, TIMED.top_p)).any(dim=-1)
+    record |= {
+        "nucleus_rows_differing": int(differing.sum()),  # host sync: a reported count
+        "nucleus_size_median": int(inside.sum(dim=-1).median()),
+    }
+    return record | {"status": "ok"}
