@@ -345,6 +345,34 @@ def test_a_refused_resume_stops_the_target_ranks_with_the_drafters(setup):
     assert seconds < 150
 
 
+def test_a_data_position_mismatch_stops_every_rank_at_once_with_one_line(setup):
+    """The target rank reports another data position than the drafters' at the save of step 3 (a
+    planted off-by-one): every rank, the other drafter rank and the target rank included, raises the
+    same one-line error within seconds, and no checkpoint of step 3 is written. A regression (only
+    drafter rank 0 raising) leaves the others waiting until train.dist_timeout_s (30 s here)."""
+    root, overrides = setup
+    run_dir = root / "position-mismatch"
+    spec = {
+        "mode": "split",
+        "overrides": [*overrides, f"output_dir={run_dir}", *split_overrides(1, 2)],
+        "shift_target_position_at": 3,
+        "timeout": 30,
+    }
+    codes, seconds = launch(spec, 3, run_dir, timeout_s=150)
+    assert all(code != 0 for code in codes), logs(run_dir)
+    failures = [json.loads((run_dir / "results" / f"rank{r}.json").read_text()) for r in range(3)]
+    errors = {failure["error"] for failure in failures}
+    assert len(errors) == 1, errors  # the same line on every rank
+    (error,) = errors
+    assert (
+        error.startswith("RuntimeError: split data positions disagree at step 3: drafter ")
+        and "\n" not in error
+    )
+    failed_at = [f["time"] for f in failures]
+    assert max(failed_at) - min(failed_at) < 10, failed_at
+    assert not (run_dir / "checkpoints" / "step-00000003").exists()
+
+
 # ----------------------------------------------------------------------------- worker (one rank)
 
 
@@ -392,6 +420,18 @@ def worker(spec: dict) -> None:
             real_fsync(path)
 
         ckpt._fsync_file = fsync_on_a_full_disk
+    if spec.get("shift_target_position_at"):
+        from dflash_train.train import split
+
+        real_report = split.FeatureProducer.report
+
+        def shifted_report(self, done):
+            report = real_report(self, done)
+            if done == spec["shift_target_position_at"]:
+                report["data"] = {**report["data"], "position": report["data"]["position"] + 1}
+            return report
+
+        split.FeatureProducer.report = shifted_report
     if spec.get("plant_tokenize_error"):
         from dflash_train.data import cache
 

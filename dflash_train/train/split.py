@@ -14,7 +14,8 @@ after producing step s + lag, so stop/raise/save decisions are collective and no
 header-borne stop flag could only flow target -> drafter. On a stop the drafters drain what the
 targets already sent. On log and save steps every rank reports to drafter rank 0, which checks the
 target ranks' data positions against its own before writing the checkpoint (one folder, one
-commit marker). Drafter rank 0 is also the rank that logs (``logging.set_main_rank``).
+commit marker); the verdict is one more all-ranks vote, so on a mismatch every rank stops with the
+same line before the save. Drafter rank 0 is also the rank that logs (``logging.set_main_rank``).
 
 Saves. Only the drafter ranks write (their votes run over the drafter group), but every rank learns
 the outcome: after each save, and after the loop (the last save's background commit), one more
@@ -72,8 +73,10 @@ from dflash_train.train.split_stream import (
     exchange_reports,
     pack_batch,
     pipeline_depth,
+    position_mismatch,
     report_step,
     share_data_info,
+    share_position_check,
     share_save_outcome,
     split_metrics,
 )
@@ -156,8 +159,9 @@ def run_target_rank(
                 )
             if report_step(cfg, step + 1, total, stopping):
                 exchange_reports(layout, producer.report(step + 1))
-            if save_due_at(cfg, step + 1, total, stopping):
-                share_save_outcome(layout, info.device, None)  # the drafters save after this step
+            if save_due_at(cfg, step + 1, total, stopping):  # the drafters save after this step
+                share_position_check(layout, info.device, None)
+                share_save_outcome(layout, info.device, None)
             if stopping:
                 break
         producer.sender.drain()  # the drafters drain what was sent beyond their last step
@@ -453,7 +457,10 @@ def split_log_row(run: Run, result: dict, window: LogWindow, timer: PhaseTimer, 
 
 
 def save_with_targets(run: Run, ctx: DrafterContext, reports) -> Path:
-    """Drafter ranks: ``run.save``, whose outcome the target ranks learn (``share_save_outcome``)."""
+    """Drafter ranks: ``run.save``, whose outcome the target ranks learn (``share_save_outcome``),
+    once every rank agreed that the data positions match (``share_position_check``)."""
+    mismatch = position_mismatch(run.step, run.data.state_dict(), reports) if run.info.is_main else None
+    share_position_check(ctx.layout, run.info.device, mismatch)
     error = None
     try:
         path = save(run, **split_train_state(run, ctx, reports))
@@ -474,15 +481,11 @@ def settle_with_targets(run: Run, ctx: DrafterContext) -> None:
 
 
 def split_train_state(run: Run, ctx: DrafterContext, reports) -> dict[str, Any]:
-    """The split part of a checkpoint's train state (drafter rank 0; {} elsewhere), after checking
-    that the target ranks' data positions agree with the drafters'."""
+    """The split part of a checkpoint's train state (drafter rank 0; {} elsewhere); the positions
+    were checked by every rank together (``share_position_check``)."""
     if not run.info.is_main:
         return {}
     positions = [r["data"] for r in reports if r["role"] == "target"]
-    if any(p != run.data.state_dict() for p in positions):
-        raise RuntimeError(
-            f"split data positions disagree at step {run.step}: drafter {run.data.state_dict()}, target ranks {positions}"
-        )
     split = {
         "target_ranks": ctx.layout.num_target_ranks,
         "drafter_ranks": ctx.layout.num_drafter_ranks,

@@ -21,8 +21,9 @@ drafter rank, waiting on the oldest send before posting another; it runs at most
 
 Reports. On log and save steps every rank sends drafter rank 0 a report (``gather_object``):
 timings, queue depth, bytes and, from the target ranks, their data positions; ``split_metrics``
-turns them into busy fractions and the bottleneck. Save outcomes: after every save (and after the
-loop) one all-ranks vote on whether it failed, with drafter rank 0's message (``share_save_outcome``).
+turns them into busy fractions and the bottleneck. Before every save one all-ranks vote on whether
+the data positions agree (``share_position_check``); after every save (and after the loop) one on
+whether it failed, with drafter rank 0's message (``share_save_outcome``).
 
 Legend: R rows, L sequence, F feature width (n*H), T target ranks, D drafter ranks, M micro-batches
 per optimizer step (``train.grad_accum``).
@@ -319,6 +320,32 @@ def exchange_reports(layout: SplitLayout, report: dict[str, Any]) -> list[dict[s
     )
     dist.gather_object(report, gathered, dst=layout.drafter_main)
     return gathered
+
+
+def position_mismatch(
+    step: int, drafter_position: dict[str, int], reports: list[dict[str, Any]]
+) -> str | None:
+    """Drafter rank 0, before a save: the one-line error when a target rank's data position (in its
+    report) is not the drafters' (its features would be of other rows than the checkpoint says)."""
+    positions = [r["data"] for r in reports if r["role"] == "target"]
+    if all(p == drafter_position for p in positions):
+        return None
+    return (
+        f"split data positions disagree at step {step}: drafter {drafter_position}, target ranks "
+        f"{positions}; no checkpoint of this step was written (a bug in the split stream: please report it)"
+    )
+
+
+def share_position_check(layout: SplitLayout, device: torch.device, mismatch: str | None) -> None:
+    """Every rank, before a save: one all-ranks vote on drafter rank 0's comparison of the target
+    ranks' data positions with its own (``mismatch``: its one-line message; None where they agree and
+    on every other rank). On a mismatch every rank raises the same ``RuntimeError`` at once: the
+    drafter ranks before the save's barriers, the target ranks before waiting on its outcome."""
+    if not any_rank_flags([mismatch is not None], device)[0]:
+        return
+    message = [mismatch]
+    dist.broadcast_object_list(message, src=layout.drafter_main)
+    raise RuntimeError(message[0])
 
 
 def share_save_outcome(layout: SplitLayout, device: torch.device, error: BaseException | None) -> None:
