@@ -215,6 +215,8 @@ def test_one_target_two_drafters_match_colocated_world_two_and_resume(setup):
 
 def test_two_targets_one_drafter_match_colocated_world_one_with_grad_accum(setup):
     """2 target : 1 drafter ranks (micro-batches alternate between the target ranks) == 1 process."""
+    import torch
+
     root, overrides = setup
     overrides = [*overrides, "train.grad_accum=2"]
     colocated, split = root / "colocated1", root / "split21"
@@ -235,6 +237,12 @@ def test_two_targets_one_drafter_match_colocated_world_one_with_grad_accum(setup
     assert max(losses(split, "split_queue_depth_max")) == 1  # max_in_flight=1 holds
     ours, theirs = final_drafter(split), final_drafter(colocated)
     assert all(ours[k].equal(theirs[k]) for k in theirs)
+    # The data files' fingerprints (target rank 0's, sent to the drafters) as colocated records them.
+    data_files = [
+        torch.load(run / "checkpoints" / "step-00000006" / "state.pt", weights_only=False)["data_files"]
+        for run in (split, colocated)
+    ]
+    assert data_files[0] == data_files[1] and data_files[0][0]["rows"] == 48
 
 
 def test_a_crashing_target_rank_fails_every_rank_without_hanging(setup):

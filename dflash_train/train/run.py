@@ -184,6 +184,7 @@ def train_state_dict(run: Run, **extra: Any) -> dict[str, Any]:
         "schedule_steps_per_epoch": run.schedule_steps_per_epoch,
         "scheduler": run.scheduler.state_dict(),
         "data": run.data.state_dict(),
+        "data_files": run.data.file_fingerprints,
         "owed_eval_step": run.owed_eval_step,
         **extra,
         "counters": dict(run.counters),
@@ -332,6 +333,9 @@ def maybe_resume(run: Run) -> None:
         current_drafter=run.draft_config.to_serving_dict(),
     )
     state = loaded["train_state"]
+    resume_check.check_data_files(
+        path, state.get("data_files"), run.data.file_fingerprints, run.cfg.checkpoint.allow_data_change
+    )
     if mode != "auto":
         set_aside_abandoned(run, path, state["step"])
     keep_schedule(run, state)  # before the optimizer state loads: a new scheduler resets the LR

@@ -352,7 +352,12 @@ def build_drafter_run(
     model = wrap_drafter(drafter, cfg.train.parallel, DTYPES[cfg.train.dtype], local, group=group)
     optimizer = builders.build_optimizer(model, cfg, local)
     total = total_steps(cfg, shared["steps_per_epoch"])
-    data = StreamPosition(shared["steps_per_epoch"], shared["log_stats"], shared["batches_per_epoch"])
+    data = StreamPosition(
+        shared["steps_per_epoch"],
+        shared["log_stats"],
+        shared["batches_per_epoch"],
+        shared["file_fingerprints"],
+    )
     run = Run(
         cfg=cfg,
         info=local,

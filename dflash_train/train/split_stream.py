@@ -233,6 +233,7 @@ def share_data_info(cfg: RunConfig, layout: SplitLayout, target) -> dict[str, An
     """Target rank 0 tokenizes and tells every rank the data shape and its target kernels (or the
     error, ``data.loader.tokenize_and_broadcast``); the other target ranks then load the cache."""
     from dflash_train.data.cache import load_or_build
+    from dflash_train.data.fingerprint import data_fingerprint
     from dflash_train.data.loader import TrainData, pad_token_id, tokenize_and_broadcast
     from dflash_train.train.builders import check_data_inputs
 
@@ -251,6 +252,7 @@ def share_data_info(cfg: RunConfig, layout: SplitLayout, target) -> dict[str, An
             "steps_per_epoch": shard0.steps_per_epoch,
             "batches_per_epoch": shard0.batches_per_epoch,
             "log_stats": shard0.log_stats(),
+            "file_fingerprints": data_fingerprint(tokenized),
         }
         return {**stats, "target_kernels": target.kernels}
 
@@ -266,13 +268,20 @@ class StreamPosition:
     """The drafter's view of its data stream, which the target ranks read: position, epoch, stats.
 
     Stands in for ``TrainData`` in ``trainer.Run`` (``state_dict``/``load_state_dict``/``epoch``/
-    ``log_stats``), so ``trainer.maybe_resume`` and checkpoints keep the colocated format: a split
+    ``log_stats``/``file_fingerprints``), so ``trainer.maybe_resume`` and checkpoints keep the colocated format: a split
     checkpoint resumes colocated with world size D and vice versa.
     """
 
-    def __init__(self, steps_per_epoch: int, stats: dict[str, float], batches_per_epoch: list[int]):
+    def __init__(
+        self,
+        steps_per_epoch: int,
+        stats: dict[str, float],
+        batches_per_epoch: list[int],
+        file_fingerprints: list[dict[str, Any]] | None = None,
+    ):
         self.steps_per_epoch, self.stats = steps_per_epoch, stats
         self.batches_per_epoch = batches_per_epoch  # ``TrainData.batches_per_epoch`` of the stream
+        self.file_fingerprints = file_fingerprints  # ``TrainData.file_fingerprints``: target rank 0's
         self.micro, self.epoch = 0, 0
 
     def steps_per_epoch_at(self, world_size: int) -> int:
