@@ -104,3 +104,24 @@ def test_a_sigterm_in_the_last_step_leaves_the_final_evaluation_to_the_next_proc
     )
     assert executed == [] and second["finished"] and second["export"]
     assert_same_evaluations(out, reference_out)
+
+
+def test_a_sigterm_while_the_held_out_continuations_are_generated_stops_after_the_first_step(
+    task, prompt_files, tmp_path, monkeypatch
+):
+    """The held-out setup (the target's greedy continuations: minutes on a large target) runs before
+    the loop; a SIGTERM then (a preemption) must stop the process at the first step boundary with a
+    checkpoint, not be held until the run's end."""
+    from dflash_train.train import colocated
+
+    real_build = colocated.build_heldout_eval
+
+    def build_during_a_sigterm(run):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_build(run)
+
+    monkeypatch.setattr(colocated, "build_heldout_eval", build_during_a_sigterm)
+    out = tmp_path / "run"
+    result = train(tiny_config(task, out, *eval_overrides(prompt_files)))
+    assert (result["step"], result["finished"], result["stopped"]) == (1, False, "signal")
+    assert ckpt.latest_checkpoint(out).name == "step-00000001"
