@@ -2,9 +2,11 @@
 against a file that changed under the same epoch length is refused, naming the file and what changed,
 unless ``checkpoint.allow_data_change=true``; checkpoints written before fingerprints still resume."""
 
+import dataclasses
 import json
 import random
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,7 @@ import torch
 from dflash_train.data.fingerprint import EDGE_BYTES, SMALL_FILE_BYTES, file_fingerprint
 from dflash_train.train import checkpoint as ckpt
 from dflash_train.train.trainer import train
-from tests.train_helpers import tiny_config
+from tests.train_helpers import become_rank, spawn_ranks, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -122,3 +124,48 @@ def test_a_hub_dataset_name_is_fingerprinted_by_its_rows():
         "sha256": None,
         "hashed": "not a local file",
     }
+
+
+def rank_worker(rank: int, port: int, task: dict, rank1_data: str, out_dir: str) -> None:
+    """Rank 1 reads ``rank1_data`` where rank 0 reads the task's file (a node with another copy)."""
+    become_rank(rank, 2, port)
+    from dflash_train.data import loader
+
+    if rank == 1:
+        real = loader.load_or_build
+
+        def other_copy(cfg, tokenizer, **kwargs):
+            return real(dataclasses.replace(cfg, paths=[rank1_data]), tokenizer, **kwargs)
+
+        loader.load_or_build = other_copy
+    try:
+        outcome = f"trained {train(tiny_config(task, out_dir, 'train.parallel=ddp'))['step']} steps"
+    except ValueError as err:
+        outcome = str(err)
+    Path(out_dir, f"rank{rank}.txt").write_text(outcome)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_ranks_that_read_different_copies_of_a_file_are_stopped_before_training(own_data, tmp_path):
+    """Rank 1's copy of the data file has the rows in another order (the same epoch length, other
+    batches): every rank refuses with the same line before the first step, instead of two ranks
+    training on different data."""
+    shuffled = tmp_path / "rank1" / "chat.jsonl"
+    shuffled.parent.mkdir()
+    shutil.copy(own_data["data"], shuffled)
+    shuffle_rows(str(shuffled))
+    out = tmp_path / "run"
+    out.mkdir()
+    spawn_ranks(rank_worker, (free_port(), own_data, str(shuffled), str(out)), nprocs=2, timeout_s=150)
+    outcomes = [(out / f"rank{r}.txt").read_text() for r in range(2)]
+    assert outcomes[0] == outcomes[1], outcomes
+    assert outcomes[0].startswith(
+        f"the ranks read different data: rank 1: data file {shuffled} (rank 0: {own_data['data']}) differs "
+        "from rank 0's: contents (sha256 of the whole file) differ"
+    ), outcomes[0]
+    assert not (out / "checkpoints").exists()

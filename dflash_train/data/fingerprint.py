@@ -54,26 +54,60 @@ def data_fingerprint(tokenized) -> list[dict[str, Any]]:
     return [file_fingerprint(path, int(n)) for path, n in zip(tokenized.files, rows, strict=True)]
 
 
-def fingerprint_changes(saved: list[dict[str, Any]], now: list[dict[str, Any]]) -> list[str]:
-    """What changed between the fingerprints of a checkpoint and those of the data now, one phrase
-    per changed file (``data file PATH changed since the checkpoint: ...``); [] when nothing did."""
-    if len(saved) != len(now):
+def fingerprint_changes(
+    reference: list[dict[str, Any]],
+    now: list[dict[str, Any]],
+    *,
+    changed: str = "changed since the checkpoint",
+    reference_name: str = "then",
+    current_name: str = "now",
+) -> list[str]:
+    """What differs between the fingerprints ``reference`` (a checkpoint's, rank 0's) and ``now``, one
+    phrase per differing file (``data file PATH <changed>: ...``); [] when nothing does."""
+    if len(reference) != len(now):
+        listed = [", ".join(f["path"] for f in prints) for prints in (reference, now)]
         return [
-            f"data files changed since the checkpoint: {len(saved)} then "
-            f"({', '.join(f['path'] for f in saved)}), {len(now)} now ({', '.join(f['path'] for f in now)})"
+            f"the data files {changed}: {len(reference)} {reference_name} ({listed[0]}), "
+            f"{len(now)} {current_name} ({listed[1]})"
         ]
-    changes = []
-    for old, new in zip(saved, now, strict=True):
+    differences = []
+    for old, new in zip(reference, now, strict=True):
         what = []
         if old["size"] != new["size"]:
             what.append(f"size {old['size']} -> {new['size']} bytes")
         if old["rows"] != new["rows"]:
             what.append(f"rows {old['rows']} -> {new['rows']}")
-        if old["sha256"] != new["sha256"] and old["hashed"] == new["hashed"]:
+        if old["hashed"] != new["hashed"]:
+            what.append(f"hashed as {old['hashed']!r} {reference_name}, {new['hashed']!r} {current_name}")
+        elif old["sha256"] != new["sha256"]:
             what.append(f"contents (sha256 of the {new['hashed']}) differ")
-        elif old["hashed"] != new["hashed"]:
-            what.append(f"hashed as {old['hashed']!r} then, {new['hashed']!r} now")
         if what:
-            moved = f" (then {old['path']})" if old["path"] != new["path"] else ""
-            changes.append(f"data file {new['path']}{moved} changed since the checkpoint: {', '.join(what)}")
-    return changes
+            moved = f" ({reference_name}: {old['path']})" if old["path"] != new["path"] else ""
+            differences.append(f"data file {new['path']}{moved} {changed}: {', '.join(what)}")
+    return differences
+
+
+def check_every_rank_reads_the_same_data(
+    local: list[dict[str, Any]] | None, source: list[dict[str, Any]]
+) -> None:
+    """Every rank of the job (a collective): refuse to train when this rank's data files are not rank
+    0's (``source``). Each rank loads its own token cache from the files it sees, so a node with
+    another copy of a file (node-local data, an old sync) would train on other rows, or on another
+    number of steps per epoch and leave its peers waiting in a collective. ``local``: this rank's
+    fingerprints, None on a rank that reads no data (split placement's drafter ranks). Every rank
+    raises the same ``ValueError``, naming the ranks and files."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    mine = [] if local is None else fingerprint_changes(
+        source, local, changed="differs from rank 0's", reference_name="rank 0", current_name="here"
+    )  # fmt: skip
+    gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, mine)
+    problems = [f"rank {rank}: {difference}" for rank, found in enumerate(gathered) for difference in found]
+    if problems:
+        raise ValueError(
+            f"the ranks read different data: {'; '.join(problems)}. Every rank must see the same contents "
+            "of data.paths: copy the same files to every node, or put them on a shared file system."
+        )

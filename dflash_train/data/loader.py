@@ -33,7 +33,7 @@ from dflash_train.data.batching import (
     rows_per_batch,
 )
 from dflash_train.data.cache import ID_FROM_TEXT, ID_STORED_NOT_ROUND_TRIP, TokenizedData, load_or_build
-from dflash_train.data.fingerprint import data_fingerprint
+from dflash_train.data.fingerprint import check_every_rank_reads_the_same_data, data_fingerprint
 from dflash_train.data.packing import PackingPlan
 from dflash_train.data.skips import SkipCounts
 
@@ -356,14 +356,20 @@ def load_tokenized(
     cfg: DataConfig, tokenizer, rank: int, world_size: int
 ) -> tuple[TokenizedData, list[dict[str, Any]]]:
     """Rank 0 tokenizes while the others wait; every rank then loads the cache. Also rank 0's
-    fingerprints of the data files: one verdict on whether they changed since a checkpoint.
+    fingerprints of the data files: one verdict on whether they changed since a checkpoint; every
+    rank's own must match them (``check_every_rank_reads_the_same_data``).
 
     A node without a shared cache directory simply tokenizes again (same key, same result).
     """
     tokenized, fingerprints = tokenize_and_broadcast(
         cfg, tokenizer, is_source=rank == 0, describe=data_fingerprint
     )
-    return (tokenized if tokenized is not None else load_or_build(cfg, tokenizer)), fingerprints
+    local = fingerprints
+    if tokenized is None:
+        tokenized = load_or_build(cfg, tokenizer)
+        local = data_fingerprint(tokenized)
+    check_every_rank_reads_the_same_data(local, fingerprints)
+    return tokenized, fingerprints
 
 
 def tokenize_and_broadcast(

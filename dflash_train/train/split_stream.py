@@ -233,7 +233,7 @@ def share_data_info(cfg: RunConfig, layout: SplitLayout, target) -> dict[str, An
     """Target rank 0 tokenizes and tells every rank the data shape and its target kernels (or the
     error, ``data.loader.tokenize_and_broadcast``); the other target ranks then load the cache."""
     from dflash_train.data.cache import load_or_build
-    from dflash_train.data.fingerprint import data_fingerprint
+    from dflash_train.data.fingerprint import check_every_rank_reads_the_same_data, data_fingerprint
     from dflash_train.data.loader import TrainData, pad_token_id, tokenize_and_broadcast
     from dflash_train.train.builders import check_data_inputs
 
@@ -259,8 +259,11 @@ def share_data_info(cfg: RunConfig, layout: SplitLayout, target) -> dict[str, An
     tokenized, shared = tokenize_and_broadcast(
         cfg.data, target.tokenizer, is_source=layout.rank == 0, describe=describe
     )
+    local = shared["file_fingerprints"] if tokenized is not None else None  # target rank 0: the source
     if layout.is_target and tokenized is None:
         tokenized = load_or_build(cfg.data, target.tokenizer)
+        local = data_fingerprint(tokenized)
+    check_every_rank_reads_the_same_data(local, shared["file_fingerprints"])  # drafter ranks read none
     return {**shared, "tokenized": tokenized}
 
 
