@@ -381,6 +381,31 @@ def test_a_data_position_mismatch_stops_every_rank_at_once_with_one_line(setup):
     assert not (run_dir / "checkpoints" / "step-00000003").exists()
 
 
+def test_a_checkpoint_the_drafters_cannot_read_stops_the_target_ranks_with_them(setup):
+    """Not only a refused resume: any failure of the drafter ranks' resume (here a planted read
+    error of the checkpoint's shards) is the same line on every rank, at once, instead of the target
+    ranks waiting for the resume point (until train.dist_timeout_s on NCCL)."""
+    root, overrides = setup
+    run_dir = root / "unreadable-checkpoint"
+    codes, _ = launch({"mode": "colocated", "overrides": [*overrides, f"output_dir={run_dir}"]}, 1, run_dir)
+    assert codes == [0], logs(run_dir)
+    spec = {
+        "mode": "split",
+        "overrides": [*overrides, f"output_dir={run_dir}", *split_overrides(1, 2)],
+        "fail_resume": True,
+        "timeout": 30,
+    }
+    codes, seconds = launch(spec, 3, run_dir, timeout_s=150)
+    assert all(code != 0 for code in codes), logs(run_dir)
+    failures = [json.loads((run_dir / "results" / f"rank{r}.json").read_text()) for r in range(3)]
+    expected = "RuntimeError: resuming failed on drafter rank 0: OSError: planted unreadable shard"
+    for failure in failures:
+        assert failure["error"].startswith(expected), failure
+    assert "target rank 0 stopped with the drafter ranks" in failures[0]["error"]
+    failed_at = [f["time"] for f in failures]
+    assert max(failed_at) - min(failed_at) < 10, failed_at
+
+
 # ----------------------------------------------------------------------------- worker (one rank)
 
 
@@ -440,6 +465,13 @@ def worker(spec: dict) -> None:
             return report
 
         split.FeatureProducer.report = shifted_report
+    if spec.get("fail_resume"):
+        from dflash_train.train import checkpoint as ckpt
+
+        def unreadable(*args, **kwargs):
+            raise OSError("planted unreadable shard")
+
+        ckpt.load_sharded_state = unreadable
     if spec.get("plant_tokenize_error"):
         from dflash_train.data import cache
 

@@ -77,6 +77,7 @@ from dflash_train.train.split_stream import (
     report_step,
     share_data_info,
     share_position_check,
+    share_resume_outcome,
     share_save_outcome,
     split_metrics,
 )
@@ -203,12 +204,9 @@ class FeatureProducer:
             )
             for d in range(layout.num_drafter_ranks)
         ]
+        share_resume_outcome(layout, None)  # raises with the drafter ranks if they could not resume
         start = [None]
         dist.broadcast_object_list(start, src=layout.drafter_main)  # resume point, decided by drafter rank 0
-        if "error" in start[0]:  # the drafter ranks refused to resume
-            raise ValueError(
-                f"{start[0]['error']} (target rank {layout.rank} stopped with the drafter ranks)"
-            )
         self.start_step, self.start_micro = start[0]["step"], start[0]["micro"]
         self.total = start[0]["total"]  # a resume keeps the length the checkpoint's run planned
         self.produced = self.start_step
@@ -371,11 +369,12 @@ def build_drafter_run(
         group=group,
         writer=ckpt.CheckpointWriter(asynchronous=cfg.checkpoint.async_write),
     )
+    error = None
     try:
         maybe_resume(run)  # may keep another length: the one the checkpoint's run was planned with
-    except ValueError as err:  # a refused resume, on every drafter rank: the target ranks wait below
-        dist.broadcast_object_list([{"error": str(err)}], src=layout.drafter_main)
-        raise
+    except Exception as err:  # recovery boundary: every rank must learn that the resume failed
+        error = err
+    share_resume_outcome(layout, error)
     if local.is_main:
         write_run_info(
             run,

@@ -348,6 +348,34 @@ def position_mismatch(
     )
 
 
+def share_resume_outcome(layout: SplitLayout, error: BaseException | None) -> None:
+    """Every rank, once the drafter ranks tried to resume (``error``: this drafter rank's failure;
+    None on target ranks): one ``all_gather_object`` of the failures, so that on any failure every
+    rank raises the same line at once instead of the target ranks waiting for the resume point. A
+    refused resume (a ``ValueError``: a changed recipe key, other data) stays that error; anything else
+    (an unreadable checkpoint) is a ``RuntimeError`` naming the first drafter rank that failed. The
+    target ranks add ``(target rank R stopped with the drafter ranks)``."""
+    failure = None
+    if error is not None:
+        failure = {
+            "message": str(error),
+            "type": type(error).__name__,
+            "refused": isinstance(error, ValueError),
+        }
+    gathered: list[dict[str, Any] | None] = [None] * (layout.num_target_ranks + layout.num_drafter_ranks)
+    dist.all_gather_object(gathered, failure)
+    failed = [(rank - layout.num_target_ranks, f) for rank, f in enumerate(gathered) if f is not None]
+    if not failed:
+        return
+    drafter, first = failed[0]
+    message = first["message"]
+    if not first["refused"]:
+        message = f"resuming failed on drafter rank {drafter}: {first['type']}: {message}"
+    if layout.is_target:
+        message = f"{message} (target rank {layout.rank} stopped with the drafter ranks)"
+    raise (ValueError if first["refused"] else RuntimeError)(message) from error
+
+
 def share_position_check(layout: SplitLayout, device: torch.device, mismatch: str | None) -> None:
     """Every rank, before a save: one all-ranks vote on drafter rank 0's comparison of the target
     ranks' data positions with its own (``mismatch``: its one-line message; None where they agree and
