@@ -85,9 +85,7 @@ def build_heldout_eval(run) -> HeldoutEval | None:
     from dflash_train.eval.prompts import BadPromptRows, load_prompt_file
     from dflash_train.eval.runner import default_eos_ids
 
-    missing = [path for path in cfg.prompts if not Path(path).is_file()]
-    if missing:
-        raise ValueError(f"eval.prompts: {missing} not found; fix the paths or drop them from eval.prompts.")
+    check_prompt_files(run, [path for path in cfg.prompts if not Path(path).is_file()])
     started = time.perf_counter()
     target, tokenizer = run.target, run.target.tokenizer
     bad_rows = BadPromptRows(0)
@@ -125,6 +123,21 @@ def build_heldout_eval(run) -> HeldoutEval | None:
     counts = ", ".join(f"{len(f.prompts)} from {f.path}" for f in files)
     log_main(f"eval: {len(every)} held-out prompts ({counts}); greedy continuations generated once")
     return heldout
+
+
+def check_prompt_files(run, missing: list[str]) -> None:
+    """Every rank of the run's group: the prompt files missing on any rank (a node without them) stop
+    every rank with the same ``ValueError``, naming the ranks; alone, a rank that raised would leave
+    the others waiting in the evaluation's first gather."""
+    found = [missing]
+    if run.info.distributed:
+        found = [None] * dist.get_world_size(run.group)
+        dist.all_gather_object(found, missing, group=run.group)
+    where = "; ".join(f"{paths} not found on rank {rank}" for rank, paths in enumerate(found) if paths)
+    if where:
+        raise ValueError(
+            f"eval.prompts: {where}; fix the paths (every rank reads them) or drop them from eval.prompts."
+        )
 
 
 def evaluate(run, heldout: HeldoutEval) -> dict[str, Any]:
