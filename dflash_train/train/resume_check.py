@@ -175,7 +175,7 @@ def check_data_files(
             "files are not checked against it; the next checkpoint records them"
         )
         return
-    changes = fingerprint_changes(saved, now or [])
+    changes = fingerprint_changes(saved, now) if now is not None else []  # None: data not read from files
     if not changes:
         return
     if allow:
