@@ -129,6 +129,9 @@ class CheckpointConfig:
     resume: str = "auto"
     # Recipe knobs allowed to differ from the checkpoint's on resume (e.g. ["train.num_anchors"]).
     allow_changed: list[str] = field(default_factory=list)
+    # Resume although a data file changed since the checkpoint (its size, rows or contents; the
+    # fingerprint every checkpoint records): the saved data position then picks other rows.
+    allow_data_change: bool = False
 
 
 @dataclass(kw_only=True)

@@ -71,9 +71,9 @@ def test_sigkill_of_one_rank_mid_save_keeps_the_previous_checkpoint(task, tmp_pa
     first = rows(out)
     assert [r["step"] for r in first] == list(range(1, 9))  # steps 5-8 ran before the save died
     launch(task, 2, [out], extra)
-    resumed = rows(out)[len(first) :]
-    assert [r["step"] for r in resumed] == [5, 6, 7, 8]
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in first[4:]]  # bit for bit
+    resumed = rows(out)  # the dead run's rows of steps 5-8 replaced by the resumed run's
+    assert [r["step"] for r in resumed] == list(range(1, 9))
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in first]  # bit for bit
     assert ckpt.latest_checkpoint(out).name == "step-00000008"
 
 
@@ -180,15 +180,16 @@ def test_resume_on_another_world_size_keeps_the_length_and_the_lr_schedule(
 def test_resume_on_another_world_size_refuses_other_data_naming_what_changed(
     task, two_rank_checkpoint, tmp_path
 ):
-    """data.paths may change on resume (a warning) as long as the epoch has the checkpoint's steps:
-    on another number of ranks that is checked at the checkpoint's world size, not skipped because
-    the data position is remapped."""
+    """Other data passes only with checkpoint.allow_data_change (the fingerprints differ), and only
+    as long as the epoch has the checkpoint's steps: on another number of ranks that is checked at
+    the checkpoint's world size, not skipped because the data position is remapped."""
     from tests.train_helpers import write_repeat_task
 
     sharded, _ = two_rank_checkpoint
     fewer = write_repeat_task(tmp_path / "fewer.jsonl", rows=24, seed=1)
     out = fresh_run_from(sharded, tmp_path / "other-data")
-    cfg = tiny_config(task, out, *FSDP, "train.max_steps=6", f"data.paths=[{fewer}]")
+    allow = "checkpoint.allow_data_change=true"
+    cfg = tiny_config(task, out, *FSDP, "train.max_steps=6", f"data.paths=[{fewer}]", allow)
     with pytest.warns(UserWarning, match="changed data.paths"):
         with pytest.raises(ValueError, match=r"data changed since the checkpoint") as refused:
             train(cfg)

@@ -335,3 +335,31 @@ def test_diagnosis_metrics_name_each_group_and_file():
     assert all(
         math.isnan(x) for x in diagnosis_metrics([b], [0], ["loops"], 4)["eval_acc_by_pos_after_reject"]
     )
+
+
+def missing_file_worker(rank: int, port: int, task: dict, out_dir: str, prompts: list) -> None:
+    """Rank 1 is a node without the prompt files (its paths do not exist)."""
+    become_rank(rank, 2, port)
+    from dflash_train.train.trainer import train
+
+    paths = prompts if rank == 0 else [str(Path(out_dir) / "elsewhere" / Path(p).name) for p in prompts]
+    extra = ["train.parallel=ddp", "train.max_steps=2", *eval_overrides(paths)]
+    try:
+        outcome = f"trained {train(tiny_config(task, out_dir, *extra))['step']} steps"
+    except ValueError as err:
+        outcome = f"ValueError: {err}"
+    except Exception as err:  # what a peer's exit looks like: not the error a user can act on
+        outcome = f"{type(err).__name__}: {err}"
+    Path(out_dir, f"rank{rank}.txt").write_text(outcome)
+
+
+def test_prompt_files_missing_on_one_rank_stop_every_rank_with_the_same_error(task, prompt_files, tmp_path):
+    from tests.test_train_distributed import free_port
+
+    out = tmp_path / "run"
+    out.mkdir()
+    spawn_ranks(missing_file_worker, (free_port(), task, str(out), prompt_files), nprocs=2, timeout_s=150)
+    outcomes = [(out / f"rank{r}.txt").read_text() for r in range(2)]
+    for outcome in outcomes:
+        assert outcome.startswith("ValueError: eval.prompts: [") and "] not found on rank 1; fix" in outcome
+    assert outcomes[0] == outcomes[1] and "rank 0" not in outcomes[0]

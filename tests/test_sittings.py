@@ -71,6 +71,46 @@ def test_three_processes_of_five_steps_give_the_uninterrupted_losses(task, tmp_p
     assert "export_s" in sittings[2] and "export_s" not in sittings[0]
 
 
+KILL_DURING_THE_FINAL_SAVE = """
+import os, signal, sys
+from dflash_train.train import checkpoint as ckpt
+from dflash_train.train.trainer import train
+from tests.train_helpers import tiny_config
+real = ckpt._fsync_file
+def fsync_then_die(path):
+    real(path)
+    if path.name == "state.pt" and "step-00000006" in str(path.parent):
+        os.kill(os.getpid(), signal.SIGKILL)  # dies in the sitting's final save: no commit of step 6
+ckpt._fsync_file = fsync_then_die
+task = {"target": sys.argv[1], "data": sys.argv[2], "cache": sys.argv[3]}
+train(tiny_config(task, sys.argv[4], "train.steps_per_process=6"))
+"""
+
+
+def test_a_kill_in_the_final_save_leaves_no_step_logged_twice(task, tmp_path, uninterrupted):
+    """The sitting logged steps 5 and 6, then died writing step 6's checkpoint: the next sitting
+    resumes from step 4 and logs 5 and 6 again, in place of the rows the dead one left."""
+    out = tmp_path / "run"
+    args = [
+        sys.executable,
+        "-c",
+        KILL_DURING_THE_FINAL_SAVE,
+        task["target"],
+        task["data"],
+        task["cache"],
+        str(out),
+    ]
+    proc = subprocess.run(args, env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert ckpt.latest_checkpoint(out).name == "step-00000004"
+    assert max(logged_losses(out)) == 6  # the dead sitting's rows of steps 5 and 6 are there
+    result = train(tiny_config(task, out))
+    assert result["finished"]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert {r["step"]: r["loss"] for r in rows} == uninterrupted
+
+
 class FakeClock:
     """Seconds that pass only when a test says so: every step takes ``step_s``."""
 

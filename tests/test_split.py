@@ -215,6 +215,8 @@ def test_one_target_two_drafters_match_colocated_world_two_and_resume(setup):
 
 def test_two_targets_one_drafter_match_colocated_world_one_with_grad_accum(setup):
     """2 target : 1 drafter ranks (micro-batches alternate between the target ranks) == 1 process."""
+    import torch
+
     root, overrides = setup
     overrides = [*overrides, "train.grad_accum=2"]
     colocated, split = root / "colocated1", root / "split21"
@@ -235,6 +237,12 @@ def test_two_targets_one_drafter_match_colocated_world_one_with_grad_accum(setup
     assert max(losses(split, "split_queue_depth_max")) == 1  # max_in_flight=1 holds
     ours, theirs = final_drafter(split), final_drafter(colocated)
     assert all(ours[k].equal(theirs[k]) for k in theirs)
+    # The data files' fingerprints (target rank 0's, sent to the drafters) as colocated records them.
+    data_files = [
+        torch.load(run / "checkpoints" / "step-00000006" / "state.pt", weights_only=False)["data_files"]
+        for run in (split, colocated)
+    ]
+    assert data_files[0] == data_files[1] and data_files[0][0]["rows"] == 48
 
 
 def test_a_crashing_target_rank_fails_every_rank_without_hanging(setup):
@@ -345,6 +353,59 @@ def test_a_refused_resume_stops_the_target_ranks_with_the_drafters(setup):
     assert seconds < 150
 
 
+def test_a_data_position_mismatch_stops_every_rank_at_once_with_one_line(setup):
+    """The target rank reports another data position than the drafters' at the save of step 3 (a
+    planted off-by-one): every rank, the other drafter rank and the target rank included, raises the
+    same one-line error within seconds, and no checkpoint of step 3 is written. A regression (only
+    drafter rank 0 raising) leaves the others waiting until train.dist_timeout_s (30 s here)."""
+    root, overrides = setup
+    run_dir = root / "position-mismatch"
+    spec = {
+        "mode": "split",
+        "overrides": [*overrides, f"output_dir={run_dir}", *split_overrides(1, 2)],
+        "shift_target_position_at": 3,
+        "timeout": 30,
+    }
+    codes, seconds = launch(spec, 3, run_dir, timeout_s=150)
+    assert all(code != 0 for code in codes), logs(run_dir)
+    failures = [json.loads((run_dir / "results" / f"rank{r}.json").read_text()) for r in range(3)]
+    errors = {failure["error"] for failure in failures}
+    assert len(errors) == 1, errors  # the same line on every rank
+    (error,) = errors
+    assert (
+        error.startswith("RuntimeError: split data positions disagree at step 3: drafter ")
+        and "\n" not in error
+    )
+    failed_at = [f["time"] for f in failures]
+    assert max(failed_at) - min(failed_at) < 10, failed_at
+    assert not (run_dir / "checkpoints" / "step-00000003").exists()
+
+
+def test_a_checkpoint_the_drafters_cannot_read_stops_the_target_ranks_with_them(setup):
+    """Not only a refused resume: any failure of the drafter ranks' resume (here a planted read
+    error of the checkpoint's shards) is the same line on every rank, at once, instead of the target
+    ranks waiting for the resume point (until train.dist_timeout_s on NCCL)."""
+    root, overrides = setup
+    run_dir = root / "unreadable-checkpoint"
+    codes, _ = launch({"mode": "colocated", "overrides": [*overrides, f"output_dir={run_dir}"]}, 1, run_dir)
+    assert codes == [0], logs(run_dir)
+    spec = {
+        "mode": "split",
+        "overrides": [*overrides, f"output_dir={run_dir}", *split_overrides(1, 2)],
+        "fail_resume": True,
+        "timeout": 30,
+    }
+    codes, seconds = launch(spec, 3, run_dir, timeout_s=150)
+    assert all(code != 0 for code in codes), logs(run_dir)
+    failures = [json.loads((run_dir / "results" / f"rank{r}.json").read_text()) for r in range(3)]
+    expected = "RuntimeError: resuming failed on drafter rank 0: OSError: planted unreadable shard"
+    for failure in failures:
+        assert failure["error"].startswith(expected), failure
+    assert "target rank 0 stopped with the drafter ranks" in failures[0]["error"]
+    failed_at = [f["time"] for f in failures]
+    assert max(failed_at) - min(failed_at) < 10, failed_at
+
+
 # ----------------------------------------------------------------------------- worker (one rank)
 
 
@@ -392,6 +453,25 @@ def worker(spec: dict) -> None:
             real_fsync(path)
 
         ckpt._fsync_file = fsync_on_a_full_disk
+    if spec.get("shift_target_position_at"):
+        from dflash_train.train import split
+
+        real_report = split.FeatureProducer.report
+
+        def shifted_report(self, done):
+            report = real_report(self, done)
+            if done == spec["shift_target_position_at"]:
+                report["data"] = {**report["data"], "position": report["data"]["position"] + 1}
+            return report
+
+        split.FeatureProducer.report = shifted_report
+    if spec.get("fail_resume"):
+        from dflash_train.train import checkpoint as ckpt
+
+        def unreadable(*args, **kwargs):
+            raise OSError("planted unreadable shard")
+
+        ckpt.load_sharded_state = unreadable
     if spec.get("plant_tokenize_error"):
         from dflash_train.data import cache
 

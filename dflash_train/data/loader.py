@@ -33,6 +33,7 @@ from dflash_train.data.batching import (
     rows_per_batch,
 )
 from dflash_train.data.cache import ID_FROM_TEXT, ID_STORED_NOT_ROUND_TRIP, TokenizedData, load_or_build
+from dflash_train.data.fingerprint import check_every_rank_reads_the_same_data, data_fingerprint
 from dflash_train.data.packing import PackingPlan
 from dflash_train.data.skips import SkipCounts
 
@@ -118,6 +119,8 @@ class TrainData:
         self.epoch, self.position = 0, 0
         self._plan_epoch, self._plan = -1, []
         self.stats = self._compute_stats()
+        # What the data files are (``data.fingerprint``), saved in checkpoints; set by ``build_train_data``.
+        self.file_fingerprints: list[dict[str, Any]] | None = None
 
     # ------------------------------------------------------------------ filtering
 
@@ -333,9 +336,10 @@ def check_data_and_tokenizer(cfg: RunConfig, tokenizer) -> None:
 def build_train_data(
     cfg: DataConfig, tokenizer, *, seed: int, rank: int = 0, world_size: int = 1, batch_rows_multiple: int = 1
 ) -> TrainData:
-    """Tokenize (or load the cache of) ``cfg.paths`` and return this rank's ``TrainData``."""
-    tokenized = load_tokenized(cfg, tokenizer, rank, world_size)
-    return TrainData(
+    """Tokenize (or load the cache of) ``cfg.paths`` and return this rank's ``TrainData``, with the
+    fingerprints of its files (rank 0's, the same on every rank)."""
+    tokenized, fingerprints = load_tokenized(cfg, tokenizer, rank, world_size)
+    data = TrainData(
         tokenized,
         cfg,
         seed=seed,
@@ -344,15 +348,28 @@ def build_train_data(
         pad_id=pad_token_id(tokenizer),
         batch_rows_multiple=batch_rows_multiple,
     )
+    data.file_fingerprints = fingerprints
+    return data
 
 
-def load_tokenized(cfg: DataConfig, tokenizer, rank: int, world_size: int) -> TokenizedData:
-    """Rank 0 tokenizes while the others wait; every rank then loads the cache.
+def load_tokenized(
+    cfg: DataConfig, tokenizer, rank: int, world_size: int
+) -> tuple[TokenizedData, list[dict[str, Any]]]:
+    """Rank 0 tokenizes while the others wait; every rank then loads the cache. Also rank 0's
+    fingerprints of the data files: one verdict on whether they changed since a checkpoint; every
+    rank's own must match them (``check_every_rank_reads_the_same_data``).
 
     A node without a shared cache directory simply tokenizes again (same key, same result).
     """
-    tokenized, _ = tokenize_and_broadcast(cfg, tokenizer, is_source=rank == 0)
-    return tokenized if tokenized is not None else load_or_build(cfg, tokenizer)
+    tokenized, fingerprints = tokenize_and_broadcast(
+        cfg, tokenizer, is_source=rank == 0, describe=data_fingerprint
+    )
+    local = fingerprints
+    if tokenized is None:
+        tokenized = load_or_build(cfg, tokenizer)
+        local = data_fingerprint(tokenized)
+    check_every_rank_reads_the_same_data(local, fingerprints)
+    return tokenized, fingerprints
 
 
 def tokenize_and_broadcast(

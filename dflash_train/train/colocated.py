@@ -74,7 +74,7 @@ def train_colocated(cfg: RunConfig, hooks: TrainHooks) -> dict[str, Any]:
         finally:
             run.writer.close()  # the last checkpoint is committed before the export and the exit
         export_started = clock()
-        export = export_final(run) if run.step >= run.total_steps else None
+        export = export_final(run) if run.finished else None
     report_deferred_stop(late)
     logger.close()
     end_sitting(run, sitting, clock() - export_started if export else None)
@@ -87,37 +87,58 @@ def train_loop(
     """Optimizer steps until done or a collective stop: step, (eval,) log, save."""
     timer, window = PhaseTimer(run.info.device), LogWindow(run.step)
     last_loss, saved = float("nan"), None
-    heldout = sitting.timed("eval_setup_s", lambda: build_heldout_eval(run))  # None without eval.prompts
-    vote = sitting_vote(run, sitting, heldout)
-    stacks = Path(run.cfg.output_dir) / "watchdog-stacks.txt"
-    with GracefulStop() as stop, Watchdog(run.cfg.train.watchdog_s, stacks) as watchdog:
-        while run.step < run.total_steps:
-            watchdog.beat(run.step)
-            sitting.begin_step()
-            result = train_step(run, timer, hooks, stop_requested=lambda: stop.requested or vote())
-            window.add(result)
-            stopping = result["stop"]  # agreed by all ranks inside the step
-            evaluating = heldout is not None and heldout.due(run, stopping)  # same on every rank
-            if window.due(run, stopping) or evaluating:
-                row = window.row(run, result, timer)
-                if evaluating:
-                    row.update(sitting.timed("eval_s", lambda: evaluate_heldout(run, heldout)))
-                    window.reset(run.step)  # the evaluation's time is not training throughput
-                last_loss = row["loss"]
-                logger.log(run.step, row)
-            logger.advance(run.step)
-            if save_due(run, stopping):
-                save_started = sitting.clock()
-                saved = sitting.timed("save_s", lambda: save(run))
-            if stopping:
-                sitting.stopped = sitting.stopped or ("signal" if stop.requested else "another_rank")
-                log_main(stop_message(sitting.stopped, saved, run.step, run.total_steps))
-                break
-            sitting.end_step()
+    # Entered before the held-out setup (the target's continuations: minutes on a large target): a
+    # SIGTERM during it, or during an owed evaluation, stops the process at the first step boundary.
+    with GracefulStop() as stop:
+        heldout = sitting.timed("eval_setup_s", lambda: build_heldout_eval(run))  # None without eval.prompts
+        run_owed_evaluation(run, heldout, logger, sitting)
+        vote = sitting_vote(run, sitting, heldout)
+        stacks = Path(run.cfg.output_dir) / "watchdog-stacks.txt"
+        with Watchdog(run.cfg.train.watchdog_s, stacks) as watchdog:
+            while run.step < run.total_steps:
+                watchdog.beat(run.step)
+                sitting.begin_step()
+                result = train_step(run, timer, hooks, stop_requested=lambda: stop.requested or vote())
+                window.add(result)
+                stopping = result["stop"]  # agreed by all ranks inside the step
+                eval_due = heldout is not None and heldout.due(run)  # same on every rank
+                if eval_due and stopping:  # carried in the stop's checkpoint, run first by the next process
+                    run.owed_eval_step = run.step
+                evaluating = eval_due and not stopping
+                if window.due(run, stopping) or evaluating:
+                    row = window.row(run, result, timer)
+                    if evaluating:
+                        row.update(sitting.timed("eval_s", lambda: evaluate_heldout(run, heldout)))
+                        window.reset(run.step)  # the evaluation's time is not training throughput
+                    last_loss = row["loss"]
+                    logger.log(run.step, row)
+                logger.advance(run.step)
+                if save_due(run, stopping):
+                    save_started = sitting.clock()
+                    saved = sitting.timed("save_s", lambda: save(run))
+                if stopping:
+                    sitting.stopped = sitting.stopped or ("signal" if stop.requested else "another_rank")
+                    owed = run.owed_eval_step is not None
+                    log_main(stop_message(sitting.stopped, saved, run.step, run.total_steps, owed))
+                    break
+                sitting.end_step()
     settle_saves(run)  # the last save's failure, if any, stops every rank here, before the export
     if sitting.stopped:  # the final save, waited for: what the next sitting reserves for its own
         sitting.measured["save_s"] = sitting.clock() - save_started
     return last_loss, saved
+
+
+def run_owed_evaluation(run: Run, heldout, logger: MetricsLogger, sitting: Sitting) -> None:
+    """The held-out evaluation the previous process owes (it stopped on an evaluation step and saved
+    without it): run on the checkpoint's weights before the first step, logged at that step."""
+    owed, run.owed_eval_step = run.owed_eval_step, None
+    if owed is None:
+        return
+    if heldout is None:
+        log_main(f"eval.prompts is empty now: the held-out evaluation owed at step {owed} is not run")
+        return
+    log_main(f"eval: running the held-out evaluation of step {owed}, owed by the process that stopped there")
+    logger.log(run.step, sitting.timed("eval_s", lambda: evaluate_heldout(run, heldout)))
 
 
 def sitting_vote(run: Run, sitting: Sitting, heldout) -> Callable[[], bool]:

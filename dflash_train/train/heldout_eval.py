@@ -11,7 +11,9 @@ every anchor (``eval_random_anchor_tau``), tau inside / outside repetition loops
 after a rejected round; with ``eval.ngram`` also ``eval_ngram_dflash_tau`` (prompt lookup first,
 the drafter otherwise, lookup when a suffix of ``eval.ngram_n`` tokens recurs).
 The drafter with the best ``eval_tau`` so far (or ``eval_tau/<eval.best_by>``, one file's) is written
-to ``output_dir/export-best``.
+to ``output_dir/export-best``. A process that stops on an evaluation step (a sitting's end, SIGTERM)
+saves without evaluating; its checkpoint owes the evaluation and the next process runs it first, on
+the same weights, so no evaluation of the run is lost.
 
 Ranks. The prompts are sharded over the run's ranks (prompt i on rank i % world). Each rank
 evaluates its shard with a plain, uncompiled copy of the drafter in the training dtype (what the
@@ -65,10 +67,12 @@ class HeldoutEval:
     best_tau: float = -math.inf
     pending: dict[str, Any] = field(default_factory=dict)  # logged with the next evaluation (once)
 
-    def due(self, run, stopping: bool) -> bool:
-        """Evaluate every ``eval.every_steps`` steps and at the last step (a SIGTERM stop skips it)."""
+    def due(self, run) -> bool:
+        """Evaluate every ``eval.every_steps`` steps and at the last step. A process that stops on such
+        a step (a sitting's end, SIGTERM) saves first and leaves the evaluation to the next process,
+        which runs it before its first step (``train/colocated.py``)."""
         every = run.cfg.eval.every_steps
-        return not stopping and (run.step == run.total_steps or (every > 0 and run.step % every == 0))
+        return run.step == run.total_steps or (every > 0 and run.step % every == 0)
 
 
 def build_heldout_eval(run) -> HeldoutEval | None:
@@ -81,9 +85,7 @@ def build_heldout_eval(run) -> HeldoutEval | None:
     from dflash_train.eval.prompts import BadPromptRows, load_prompt_file
     from dflash_train.eval.runner import default_eos_ids
 
-    missing = [path for path in cfg.prompts if not Path(path).is_file()]
-    if missing:
-        raise ValueError(f"eval.prompts: {missing} not found; fix the paths or drop them from eval.prompts.")
+    check_prompt_files(run, [path for path in cfg.prompts if not Path(path).is_file()])
     started = time.perf_counter()
     target, tokenizer = run.target, run.target.tokenizer
     bad_rows = BadPromptRows(0)
@@ -121,6 +123,21 @@ def build_heldout_eval(run) -> HeldoutEval | None:
     counts = ", ".join(f"{len(f.prompts)} from {f.path}" for f in files)
     log_main(f"eval: {len(every)} held-out prompts ({counts}); greedy continuations generated once")
     return heldout
+
+
+def check_prompt_files(run, missing: list[str]) -> None:
+    """Every rank of the run's group: the prompt files missing on any rank (a node without them) stop
+    every rank with the same ``ValueError``, naming the ranks; alone, a rank that raised would leave
+    the others waiting in the evaluation's first gather."""
+    found = [missing]
+    if run.info.distributed:
+        found = [None] * dist.get_world_size(run.group)
+        dist.all_gather_object(found, missing, group=run.group)
+    where = "; ".join(f"{paths} not found on rank {rank}" for rank, paths in enumerate(found) if paths)
+    if where:
+        raise ValueError(
+            f"eval.prompts: {where}; fix the paths (every rank reads them) or drop them from eval.prompts."
+        )
 
 
 def evaluate(run, heldout: HeldoutEval) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from collections import deque
@@ -79,6 +80,7 @@ class MetricsLogger:
         is_main: bool,
         config_dict: dict,
         start_step: int = 0,
+        redo_eval_at_start: bool = False,
     ) -> None:
         self.is_main = is_main
         self.total_steps = total_steps
@@ -97,6 +99,7 @@ class MetricsLogger:
             if wandb
             else None
         )
+        drop_rows_to_redo(run_dir / "metrics.jsonl", start_step, redo_eval_at_start)
         self._jsonl = open(run_dir / "metrics.jsonl", "a")  # closed in close()
         self._run_dir = run_dir
         use_bar = cfg.progress_bar == "on" or (cfg.progress_bar == "auto" and sys.stderr.isatty())
@@ -214,6 +217,34 @@ class MetricsLogger:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def drop_rows_to_redo(path: Path, start_step: int, redo_eval: bool) -> None:
+    """Before a run continues at ``start_step``: drop the rows of ``path`` it will log again, so every
+    step keeps one training row. Those are the rows of later steps (a process that died after logging
+    them, before their checkpoint committed), the evaluation rows of ``start_step`` when its held-out
+    evaluation runs again (``redo_eval``: an earlier try of the owed evaluation got as far as logging
+    it) and a line torn by a kill. Rewritten to a temporary file, then renamed over ``path``."""
+    if not path.is_file():
+        return
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:  # a line torn by a kill
+            row = None
+        redone = row is None or row["step"] > start_step
+        redone = redone or (redo_eval and row["step"] == start_step and "eval_tau" in row)
+        if redone:
+            dropped += 1
+        else:
+            kept.append(line)
+    if not dropped:
+        return
+    staging = path.with_name(f".{path.name}.tmp")
+    staging.write_text("".join(f"{line}\n" for line in kept))
+    os.replace(staging, path)
+    log_main(f"{path}: dropped {dropped} rows of steps this run logs again (from step {start_step + 1})")
 
 
 def import_summary_writer() -> type:

@@ -4,8 +4,9 @@ Four panels over optimizer steps: the loss; tau (the training metric on random a
 held-out exact tau of every ``eval.prompts`` file, ``eval_tau/<file>``, with the n-gram baseline
 when logged); the learning rate; training throughput (real tokens/s). ``MetricsLogger`` redraws it
 beside ``metrics.jsonl`` after every logged evaluation and when the run closes; ``dflash-train plot
-RUN_DIR`` redraws it from the file. A resumed run appends to ``metrics.jsonl`` and may log a step
-again: the last row logged for a step wins. Rendered with matplotlib's Agg canvas (no pyplot).
+RUN_DIR`` redraws it from the file. A step may have two rows (the training row of a process that
+stopped on an evaluation step, then the evaluation row of the next process): they are merged, the
+later row's values winning. Rendered with matplotlib's Agg canvas (no pyplot).
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ HELDOUT_PREFIX = "eval_tau/"
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """The rows of ``metrics.jsonl`` by step, the last row of each step (resumed runs log twice)."""
+    """The rows of ``metrics.jsonl`` by step, the rows of one step merged (later values win)."""
     rows: dict[int, dict[str, Any]] = {}
     for line in Path(path).read_text().splitlines():
         if line.strip():
             row = json.loads(line)
-            rows[int(row["step"])] = row
+            rows[int(row["step"])] = {**rows.get(int(row["step"]), {}), **row}
     return [rows[step] for step in sorted(rows)]
 
 

@@ -2,8 +2,9 @@
 
 A resume compares the checkpoint's recipe (``config.yaml``) and drafter (``drafter_config.json``)
 with the ones resolved now. A change of a key that changes what is learned is refused with the
-override that allows it; a change of the data files only warns. A recipe written before a key
-existed has that key's default.
+override that allows it; a change of ``data.paths`` only warns. A recipe written before a key
+existed has that key's default. The data files themselves are compared by their fingerprints
+(``data/fingerprint.py``): a changed file is refused unless ``checkpoint.allow_data_change``.
 """
 
 from __future__ import annotations
@@ -159,6 +160,39 @@ def check_resume_compatible(
                 f"{_lookup(current, key)!r}; the saved data position (epoch, batch) is applied to the new data.",
                 stacklevel=2,
             )
+
+
+def check_data_files(
+    checkpoint, saved: list[dict[str, Any]] | None, now: list[dict[str, Any]] | None, allow: bool
+) -> None:
+    """Refuse to resume when a data file changed since the checkpoint (``data/fingerprint.py``): the
+    saved data position would pick other rows. ``allow`` (``checkpoint.allow_data_change``) warns
+    instead; a checkpoint written before fingerprints gets a one-line notice."""
+    from dflash_train.data.fingerprint import fingerprint_changes
+    from dflash_train.train.logging import log_main
+
+    if saved is None:
+        log_main(
+            f"{checkpoint} records no data file fingerprints (written before they existed): the data "
+            "files are not checked against it; the next checkpoint records them"
+        )
+        return
+    changes = fingerprint_changes(saved, now) if now is not None else []  # None: data not read from files
+    if not changes:
+        return
+    if allow:
+        warnings.warn(
+            f"resuming on changed data ({'; '.join(changes)}) with checkpoint.allow_data_change=true: the "
+            "saved data position (epoch, batch) is applied to the new data.",
+            stacklevel=2,
+        )
+        return
+    raise ValueError(
+        f"refusing to resume: {'; '.join(changes)}. The saved data position (epoch, batch) would now "
+        "pick other rows: some seen twice, some never. Restore the file, start a new output_dir "
+        "(drafter.init_from=<an export> starts from its weights), or resume on the changed data with "
+        "checkpoint.allow_data_change=true."
+    )
 
 
 def describe_data_changes(saved: dict[str, Any], current: dict[str, Any]) -> str:

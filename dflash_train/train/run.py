@@ -69,9 +69,17 @@ class Run:
     # The steps per epoch that ``total_steps`` and the LR schedule were planned with: this run's
     # own (``data.steps_per_epoch``) unless it resumed a checkpoint of another world size.
     schedule_steps_per_epoch: int = 0
+    # The step whose held-out evaluation is still owed: a process that stops on an evaluation step
+    # saves it in the checkpoint, and the next process runs it first (``train/colocated.py``).
+    owed_eval_step: int | None = None
 
     def __post_init__(self) -> None:
         self.schedule_steps_per_epoch = self.schedule_steps_per_epoch or self.data.steps_per_epoch
+
+    @property
+    def finished(self) -> bool:
+        """Every step trained and the last step's held-out evaluation done: time for the export."""
+        return self.step >= self.total_steps and self.owed_eval_step is None
 
     @property
     def gamma(self) -> float:
@@ -114,7 +122,9 @@ def write_run_info(run: Run, **extra: Any) -> None:
 
 
 def open_logger(run: Run) -> MetricsLogger:
-    """The run's metrics logger (rank 0 of the run's group writes), continuing at ``run.step``."""
+    """The run's metrics logger (rank 0 of the run's group writes), continuing at ``run.step``: rows
+    an earlier process logged after that step (it died before their checkpoint) are dropped, and so
+    is the owed evaluation's row if an earlier try of it got that far, since both are logged again."""
     return MetricsLogger(
         Path(run.cfg.output_dir),
         run.cfg.logging,
@@ -122,6 +132,7 @@ def open_logger(run: Run) -> MetricsLogger:
         is_main=run.info.is_main,
         config_dict=run.cfg.to_dict(),
         start_step=run.step,
+        redo_eval_at_start=run.owed_eval_step is not None,
     )
 
 
@@ -150,7 +161,7 @@ def run_result(
     return {
         "step": run.step,
         "total_steps": run.total_steps,
-        "finished": run.step >= run.total_steps,
+        "finished": run.finished,
         "stopped": stopped,
         "loss": last_loss,
         "tau": logger.last.get("tau"),
@@ -173,6 +184,8 @@ def train_state_dict(run: Run, **extra: Any) -> dict[str, Any]:
         "schedule_steps_per_epoch": run.schedule_steps_per_epoch,
         "scheduler": run.scheduler.state_dict(),
         "data": run.data.state_dict(),
+        "data_files": run.data.file_fingerprints,
+        "owed_eval_step": run.owed_eval_step,
         **extra,
         "counters": dict(run.counters),
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
@@ -320,6 +333,9 @@ def maybe_resume(run: Run) -> None:
         current_drafter=run.draft_config.to_serving_dict(),
     )
     state = loaded["train_state"]
+    resume_check.check_data_files(
+        path, state.get("data_files"), run.data.file_fingerprints, run.cfg.checkpoint.allow_data_change
+    )
     if mode != "auto":
         set_aside_abandoned(run, path, state["step"])
     keep_schedule(run, state)  # before the optimizer state loads: a new scheduler resets the LR
@@ -333,6 +349,7 @@ def maybe_resume(run: Run) -> None:
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
     run.step = state["step"]
+    run.owed_eval_step = state.get("owed_eval_step")  # older checkpoints: none
     log_main(f"resumed from {path} at step {run.step}")
 
 

@@ -148,7 +148,7 @@ class Sitting:
             "start_step": self.start_step,
             "end_step": run.step,
             "total_steps": run.total_steps,
-            "finished": run.step >= run.total_steps,
+            "finished": run.finished,
             "stopped": self.stopped,
             "elapsed_s": round(self.elapsed(), 3),
             "time_limit_s": self.time_limit_s,
@@ -179,15 +179,17 @@ def append_sitting(output_dir: str | Path, row: dict[str, Any]) -> None:
         fh.write(json.dumps({"sitting": number, **row}) + "\n")
 
 
-def stop_message(reason: str, saved: Path | None, step: int, total: int) -> str:
-    """What a sitting that ended before the run's end prints."""
+def stop_message(reason: str, saved: Path | None, step: int, total: int, owed_eval: bool = False) -> str:
+    """What a sitting that ended before the run's end prints (``owed_eval``: it stopped on a held-out
+    evaluation step, whose evaluation the next process runs first)."""
     why = {
         "time_limit": "train.time_limit_s reached",
         "steps_per_process": "train.steps_per_process reached",
         "signal": "SIGTERM",
         "another_rank": "another rank voted to stop (SIGTERM or its time limit)",
     }.get(reason, reason)
+    owed = f"; the held-out evaluation of step {step} runs first" if owed_eval else ""
     return (
         f"{why}: saved {saved} at step {step} of {total}; the run is not finished: run the same command "
-        "again to continue from this checkpoint (checkpoint.resume: auto)"
+        f"again to continue from this checkpoint (checkpoint.resume: auto{owed})"
     )

@@ -14,7 +14,8 @@ after producing step s + lag, so stop/raise/save decisions are collective and no
 header-borne stop flag could only flow target -> drafter. On a stop the drafters drain what the
 targets already sent. On log and save steps every rank reports to drafter rank 0, which checks the
 target ranks' data positions against its own before writing the checkpoint (one folder, one
-commit marker). Drafter rank 0 is also the rank that logs (``logging.set_main_rank``).
+commit marker); the verdict is one more all-ranks vote, so on a mismatch every rank stops with the
+same line before the save. Drafter rank 0 is also the rank that logs (``logging.set_main_rank``).
 
 Saves. Only the drafter ranks write (their votes run over the drafter group), but every rank learns
 the outcome: after each save, and after the loop (the last save's background commit), one more
@@ -72,8 +73,11 @@ from dflash_train.train.split_stream import (
     exchange_reports,
     pack_batch,
     pipeline_depth,
+    position_mismatch,
     report_step,
     share_data_info,
+    share_position_check,
+    share_resume_outcome,
     share_save_outcome,
     split_metrics,
 )
@@ -156,8 +160,9 @@ def run_target_rank(
                 )
             if report_step(cfg, step + 1, total, stopping):
                 exchange_reports(layout, producer.report(step + 1))
-            if save_due_at(cfg, step + 1, total, stopping):
-                share_save_outcome(layout, info.device, None)  # the drafters save after this step
+            if save_due_at(cfg, step + 1, total, stopping):  # the drafters save after this step
+                share_position_check(layout, info.device, None)
+                share_save_outcome(layout, info.device, None)
             if stopping:
                 break
         producer.sender.drain()  # the drafters drain what was sent beyond their last step
@@ -199,12 +204,9 @@ class FeatureProducer:
             )
             for d in range(layout.num_drafter_ranks)
         ]
+        share_resume_outcome(layout, None)  # raises with the drafter ranks if they could not resume
         start = [None]
         dist.broadcast_object_list(start, src=layout.drafter_main)  # resume point, decided by drafter rank 0
-        if "error" in start[0]:  # the drafter ranks refused to resume
-            raise ValueError(
-                f"{start[0]['error']} (target rank {layout.rank} stopped with the drafter ranks)"
-            )
         self.start_step, self.start_micro = start[0]["step"], start[0]["micro"]
         self.total = start[0]["total"]  # a resume keeps the length the checkpoint's run planned
         self.produced = self.start_step
@@ -348,7 +350,12 @@ def build_drafter_run(
     model = wrap_drafter(drafter, cfg.train.parallel, DTYPES[cfg.train.dtype], local, group=group)
     optimizer = builders.build_optimizer(model, cfg, local)
     total = total_steps(cfg, shared["steps_per_epoch"])
-    data = StreamPosition(shared["steps_per_epoch"], shared["log_stats"], shared["batches_per_epoch"])
+    data = StreamPosition(
+        shared["steps_per_epoch"],
+        shared["log_stats"],
+        shared["batches_per_epoch"],
+        shared["file_fingerprints"],
+    )
     run = Run(
         cfg=cfg,
         info=local,
@@ -362,11 +369,12 @@ def build_drafter_run(
         group=group,
         writer=ckpt.CheckpointWriter(asynchronous=cfg.checkpoint.async_write),
     )
+    error = None
     try:
         maybe_resume(run)  # may keep another length: the one the checkpoint's run was planned with
-    except ValueError as err:  # a refused resume, on every drafter rank: the target ranks wait below
-        dist.broadcast_object_list([{"error": str(err)}], src=layout.drafter_main)
-        raise
+    except Exception as err:  # recovery boundary: every rank must learn that the resume failed
+        error = err
+    share_resume_outcome(layout, error)
     if local.is_main:
         write_run_info(
             run,
@@ -453,7 +461,10 @@ def split_log_row(run: Run, result: dict, window: LogWindow, timer: PhaseTimer, 
 
 
 def save_with_targets(run: Run, ctx: DrafterContext, reports) -> Path:
-    """Drafter ranks: ``run.save``, whose outcome the target ranks learn (``share_save_outcome``)."""
+    """Drafter ranks: ``run.save``, whose outcome the target ranks learn (``share_save_outcome``),
+    once every rank agreed that the data positions match (``share_position_check``)."""
+    mismatch = position_mismatch(run.step, run.data.state_dict(), reports) if run.info.is_main else None
+    share_position_check(ctx.layout, run.info.device, mismatch)
     error = None
     try:
         path = save(run, **split_train_state(run, ctx, reports))
@@ -474,15 +485,11 @@ def settle_with_targets(run: Run, ctx: DrafterContext) -> None:
 
 
 def split_train_state(run: Run, ctx: DrafterContext, reports) -> dict[str, Any]:
-    """The split part of a checkpoint's train state (drafter rank 0; {} elsewhere), after checking
-    that the target ranks' data positions agree with the drafters'."""
+    """The split part of a checkpoint's train state (drafter rank 0; {} elsewhere); the positions
+    were checked by every rank together (``share_position_check``)."""
     if not run.info.is_main:
         return {}
     positions = [r["data"] for r in reports if r["role"] == "target"]
-    if any(p != run.data.state_dict() for p in positions):
-        raise RuntimeError(
-            f"split data positions disagree at step {run.step}: drafter {run.data.state_dict()}, target ranks {positions}"
-        )
     split = {
         "target_ranks": ctx.layout.num_target_ranks,
         "drafter_ranks": ctx.layout.num_drafter_ranks,

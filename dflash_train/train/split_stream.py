@@ -21,8 +21,9 @@ drafter rank, waiting on the oldest send before posting another; it runs at most
 
 Reports. On log and save steps every rank sends drafter rank 0 a report (``gather_object``):
 timings, queue depth, bytes and, from the target ranks, their data positions; ``split_metrics``
-turns them into busy fractions and the bottleneck. Save outcomes: after every save (and after the
-loop) one all-ranks vote on whether it failed, with drafter rank 0's message (``share_save_outcome``).
+turns them into busy fractions and the bottleneck. Before every save one all-ranks vote on whether
+the data positions agree (``share_position_check``); after every save (and after the loop) one on
+whether it failed, with drafter rank 0's message (``share_save_outcome``).
 
 Legend: R rows, L sequence, F feature width (n*H), T target ranks, D drafter ranks, M micro-batches
 per optimizer step (``train.grad_accum``).
@@ -232,6 +233,7 @@ def share_data_info(cfg: RunConfig, layout: SplitLayout, target) -> dict[str, An
     """Target rank 0 tokenizes and tells every rank the data shape and its target kernels (or the
     error, ``data.loader.tokenize_and_broadcast``); the other target ranks then load the cache."""
     from dflash_train.data.cache import load_or_build
+    from dflash_train.data.fingerprint import check_every_rank_reads_the_same_data, data_fingerprint
     from dflash_train.data.loader import TrainData, pad_token_id, tokenize_and_broadcast
     from dflash_train.train.builders import check_data_inputs
 
@@ -250,14 +252,18 @@ def share_data_info(cfg: RunConfig, layout: SplitLayout, target) -> dict[str, An
             "steps_per_epoch": shard0.steps_per_epoch,
             "batches_per_epoch": shard0.batches_per_epoch,
             "log_stats": shard0.log_stats(),
+            "file_fingerprints": data_fingerprint(tokenized),
         }
         return {**stats, "target_kernels": target.kernels}
 
     tokenized, shared = tokenize_and_broadcast(
         cfg.data, target.tokenizer, is_source=layout.rank == 0, describe=describe
     )
+    local = shared["file_fingerprints"] if tokenized is not None else None  # target rank 0: the source
     if layout.is_target and tokenized is None:
         tokenized = load_or_build(cfg.data, target.tokenizer)
+        local = data_fingerprint(tokenized)
+    check_every_rank_reads_the_same_data(local, shared["file_fingerprints"])  # drafter ranks read none
     return {**shared, "tokenized": tokenized}
 
 
@@ -265,13 +271,20 @@ class StreamPosition:
     """The drafter's view of its data stream, which the target ranks read: position, epoch, stats.
 
     Stands in for ``TrainData`` in ``trainer.Run`` (``state_dict``/``load_state_dict``/``epoch``/
-    ``log_stats``), so ``trainer.maybe_resume`` and checkpoints keep the colocated format: a split
+    ``log_stats``/``file_fingerprints``), so ``trainer.maybe_resume`` and checkpoints keep the colocated format: a split
     checkpoint resumes colocated with world size D and vice versa.
     """
 
-    def __init__(self, steps_per_epoch: int, stats: dict[str, float], batches_per_epoch: list[int]):
+    def __init__(
+        self,
+        steps_per_epoch: int,
+        stats: dict[str, float],
+        batches_per_epoch: list[int],
+        file_fingerprints: list[dict[str, Any]] | None = None,
+    ):
         self.steps_per_epoch, self.stats = steps_per_epoch, stats
         self.batches_per_epoch = batches_per_epoch  # ``TrainData.batches_per_epoch`` of the stream
+        self.file_fingerprints = file_fingerprints  # ``TrainData.file_fingerprints``: target rank 0's
         self.micro, self.epoch = 0, 0
 
     def steps_per_epoch_at(self, world_size: int) -> int:
@@ -319,6 +332,60 @@ def exchange_reports(layout: SplitLayout, report: dict[str, Any]) -> list[dict[s
     )
     dist.gather_object(report, gathered, dst=layout.drafter_main)
     return gathered
+
+
+def position_mismatch(
+    step: int, drafter_position: dict[str, int], reports: list[dict[str, Any]]
+) -> str | None:
+    """Drafter rank 0, before a save: the one-line error when a target rank's data position (in its
+    report) is not the drafters' (its features would be of other rows than the checkpoint says)."""
+    positions = [r["data"] for r in reports if r["role"] == "target"]
+    if all(p == drafter_position for p in positions):
+        return None
+    return (
+        f"split data positions disagree at step {step}: drafter {drafter_position}, target ranks "
+        f"{positions}; no checkpoint of this step was written (a bug in the split stream: please report it)"
+    )
+
+
+def share_resume_outcome(layout: SplitLayout, error: BaseException | None) -> None:
+    """Every rank, once the drafter ranks tried to resume (``error``: this drafter rank's failure;
+    None on target ranks): one ``all_gather_object`` of the failures, so that on any failure every
+    rank raises the same line at once instead of the target ranks waiting for the resume point. A
+    refused resume (a ``ValueError``: a changed recipe key, other data) stays that error; anything else
+    (an unreadable checkpoint) is a ``RuntimeError`` naming the first drafter rank that failed. The
+    target ranks add ``(target rank R stopped with the drafter ranks)``."""
+    failure = None
+    if error is not None:
+        failure = {
+            "message": str(error),
+            "type": type(error).__name__,
+            "refused": isinstance(error, ValueError),
+        }
+    gathered: list[dict[str, Any] | None] = [None] * (layout.num_target_ranks + layout.num_drafter_ranks)
+    dist.all_gather_object(gathered, failure)
+    failed = [(rank - layout.num_target_ranks, f) for rank, f in enumerate(gathered) if f is not None]
+    if not failed:
+        return
+    drafter, first = failed[0]
+    message = first["message"]
+    if not first["refused"]:
+        message = f"resuming failed on drafter rank {drafter}: {first['type']}: {message}"
+    if layout.is_target:
+        message = f"{message} (target rank {layout.rank} stopped with the drafter ranks)"
+    raise (ValueError if first["refused"] else RuntimeError)(message) from error
+
+
+def share_position_check(layout: SplitLayout, device: torch.device, mismatch: str | None) -> None:
+    """Every rank, before a save: one all-ranks vote on drafter rank 0's comparison of the target
+    ranks' data positions with its own (``mismatch``: its one-line message; None where they agree and
+    on every other rank). On a mismatch every rank raises the same ``RuntimeError`` at once: the
+    drafter ranks before the save's barriers, the target ranks before waiting on its outcome."""
+    if not any_rank_flags([mismatch is not None], device)[0]:
+        return
+    message = [mismatch]
+    dist.broadcast_object_list(message, src=layout.drafter_main)
+    raise RuntimeError(message[0])
 
 
 def share_save_outcome(layout: SplitLayout, device: torch.device, error: BaseException | None) -> None:
