@@ -12,12 +12,7 @@ from dflash_train.generate.sampling import Sampling, choose_tokens, row_streams,
 TOP_PS = [1.0, 0.99, 0.5, 1e-6]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread_module")
 
 
 def sorted_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
