@@ -25,7 +25,9 @@ def scale():
 
 
 def scale_args(tmp_path, **overrides):
-    values = dict(work=tmp_path / "work", out=tmp_path / "out", scales="4,8,20", steps=100, epochs=0)
+    values = dict(
+        work=tmp_path / "work", out=tmp_path / "out", scales="4,8,20", steps=100, epochs=0, variant=[]
+    )
     return argparse.Namespace(**(values | overrides))
 
 
@@ -76,6 +78,28 @@ def test_scale_subsets_are_cut_once_and_the_last_takes_what_regen_made(scale, tm
     assert [name for name, _ in runs][-2:] == ["rows-20", "rows-20-epochs"]
     assert (args.work / "regen-4.jsonl").read_text().splitlines()[0] == '{"row": 0}'  # never rewritten
     assert status["subsets"] == {"4": 4, "8": 8, "20": 12}
+
+
+def test_variants_give_a_run_per_scale_and_variant(scale, tmp_path):
+    args = scale_args(tmp_path, scales="4", variant=["d2|drafter.variant=dflash2", "base|"])
+    args.work.mkdir()
+    (args.work / "regen.jsonl").write_text("".join(f'{{"row": {i}}}\n' for i in range(6)))
+    runs = scale.scale_runs(args, {"regen": {"done": 6, "total": 6}})
+    assert [name for name, _ in runs] == ["rows-4-d2", "rows-4-base"]
+    assert runs[0][1][-1] == "drafter.variant=dflash2" and runs[1][1][-1] == "train.max_steps=100"
+
+
+def test_given_prompts_replace_the_synth_stage(scale, tmp_path):
+    import lzma
+
+    source = tmp_path / "prompts.jsonl.xz"
+    source.write_bytes(lzma.compress(b"".join(b'{"row": %d}\n' % i for i in range(5))))
+    args = scale_args(tmp_path, prompts=source, num_rows=100)
+    args.work.mkdir()
+    status = {}
+    scale.given_prompts(args, status)
+    assert (args.work / "prompts.jsonl").read_bytes() == lzma.decompress(source.read_bytes())
+    assert args.num_rows == 5 and status["synth"]["done"] == status["synth"]["total"] == 5
 
 
 def test_the_synth_bundle_carries_prompts_heldout_files_and_state_to_a_fresh_machine(

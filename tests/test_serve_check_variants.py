@@ -94,11 +94,13 @@ def test_serve_check_converts_and_serves_the_variant_export(fake_llama, tiny_qwe
     )
     assert result["block_size"] == drafts + 1  # the round: the last token and the drafts
     assert 1.0 <= result["eval_tau"] <= drafts + 1
-    # The drafter's run is named by the spec type it ran with, in the result and the table.
+    # The drafter's run is named by the spec type it ran with, alone and after each lookup type.
     assert result["drafter_run"] == spec_type and set(result["engine"]) == {
         spec_type,
         "ngram-simple",
         "ngram-mod",
+        f"ngram-simple+{spec_type}",
+        f"ngram-mod+{spec_type}",
     }
     assert result["engine_tau"] == result["engine"][spec_type]["tau"]
 
