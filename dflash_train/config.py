@@ -129,8 +129,7 @@ class CheckpointConfig:
     resume: str = "auto"
     # Recipe knobs allowed to differ from the checkpoint's on resume (e.g. ["train.num_anchors"]).
     allow_changed: list[str] = field(default_factory=list)
-    # Resume although a data file changed since the checkpoint (its size, rows or contents; the
-    # fingerprint every checkpoint records): the saved data position then picks other rows.
+    # Resume although a data file's fingerprint (size, rows, contents) changed since the checkpoint.
     allow_data_change: bool = False
 
 
@@ -148,8 +147,7 @@ class EvalConfig:
     """Exact greedy acceptance (tau) of the drafter on held-out prompts during training
     (docs/training.md, "Acceptance during training"). Off while ``prompts`` is empty."""
 
-    # JSONL prompt files (chat rows or {"prompt": ...}, as `dflash-train eval --prompts` reads);
-    # each is also logged on its own as eval_tau/<file stem>.
+    # JSONL prompt files (as `dflash-train eval --prompts` reads); each also logs eval_tau/<file stem>.
     prompts: list[str] = field(default_factory=list)
     # Evaluate every this many optimizer steps and at the last step; 0 = only at the last step.
     every_steps: int = 500
@@ -164,8 +162,7 @@ class EvalConfig:
     # Also log the n-gram prompt-lookup baseline (eval_ngram_tau, once: it does not train).
     ngram: bool = True
     ngram_n: int = 3
-    # The prompt file (its stem, as in eval_tau/<stem>) whose tau picks export-best, e.g.
-    # "heldout_synth" so that a hand-written set is only reported beside; "" = eval_tau over all files.
+    # The prompt file stem whose tau picks export-best (e.g. "heldout_synth"); "" = over all files.
     best_by: str = ""
 
     def best_metric(self) -> str:
@@ -307,9 +304,8 @@ def validate_sittings(cfg: RunConfig) -> None:
 
 
 def validate_target_layer_ids(target: TargetConfig) -> None:
-    """Feature layer ids serving engines can use: strictly increasing and, where the recipe names a
-    ``preset:`` target (its depth is known here), within its layers and off its last layer. Every
-    target is checked again when it is loaded (``presets.check_serving_layer_ids``)."""
+    """Feature layer ids serving engines can use: strictly increasing, and within a ``preset:`` target's
+    layers and off its last one (every target is checked again on load: ``check_serving_layer_ids``)."""
     from dflash_train.models import drafter_config, presets  # lazy: presets imports transformers
 
     ids = target.target_layer_ids
