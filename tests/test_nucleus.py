@@ -5,6 +5,7 @@ batch, and the compiled draw (what CUDA runs, captured in the decode step's grap
 import pytest
 import torch
 
+from dflash_train.eval.static_session import capture_graph
 from dflash_train.generate import nucleus
 from dflash_train.generate.nucleus import draw_below_limit, mass_limit, masses, nucleus_mask, nucleus_tokens
 from dflash_train.generate.sampling import Sampling, choose_tokens, row_streams, row_uniforms, step_keys
@@ -226,16 +227,8 @@ def test_the_sampler_replays_in_a_cuda_graph_with_new_inputs():
     def step() -> None:
         tokens.copy_(choose_tokens(logits, uniforms, sampling))
 
-    stream = torch.cuda.Stream()
     refill("random")
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        step()
+    graph, _ = capture_graph(step)  # the project's capture: two warm-up steps on a side stream
     for kind in ("random", "ties", "random", "ties"):
         refill(kind)
         graph.replay()
