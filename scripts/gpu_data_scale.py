@@ -83,8 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--variant",
         action="append",
         default=[],
-        help="NAME|overrides: a run per scale named rows-N-NAME with these overrides (repeatable; "
-        "default one run per scale, rows-N, the recipe as it is)",
+        help="NAME|overrides: a run per scale named rows-N-NAME with these overrides; NAME@N|overrides: "
+        "at scale N only (repeatable; default one run per scale, rows-N, the recipe as it is)",
     )
     p.add_argument("--common", default="", help="overrides for every run")
     p.add_argument("--train-seconds", type=float, default=420, help="train.time_limit_s of a sitting")
@@ -243,7 +243,7 @@ def scale_runs(args, status: dict) -> list[tuple[str, list[str]]]:
             subsets[str(scale)] = sum(1 for _ in open(subset, "rb"))
         if subset.exists():
             data = f"data.paths=[{subset}]"
-            for suffix, overrides in variants(args):
+            for suffix, overrides in variants(args, scale):
                 if args.steps:
                     runs.append(
                         (f"rows-{scale}{suffix}", [data, f"train.max_steps={args.steps}", *overrides])
@@ -254,11 +254,17 @@ def scale_runs(args, status: dict) -> list[tuple[str, list[str]]]:
     return runs
 
 
-def variants(args) -> list[tuple[str, list[str]]]:
-    """(run-name suffix, overrides) of each ``--variant`` (one unnamed run without any)."""
+def variants(args, scale: int) -> list[tuple[str, list[str]]]:
+    """(run-name suffix, overrides) of each ``--variant`` that runs at ``scale`` (one unnamed run
+    without any): ``NAME@N|overrides`` runs at scale N only, ``NAME|overrides`` at every scale."""
     if not args.variant:
         return [("", [])]
-    return [(f"-{name}", overrides) for name, overrides in quality.parse_runs(args.variant)]
+    chosen = []
+    for spec, overrides in quality.parse_runs(args.variant):
+        name, _, at = spec.partition("@")
+        if not at or int(at) == scale:
+            chosen.append((f"-{name}", overrides))
+    return chosen
 
 
 def heldout_sets(args) -> list[Path]:

@@ -89,6 +89,15 @@ def test_variants_give_a_run_per_scale_and_variant(scale, tmp_path):
     assert runs[0][1][-1] == "drafter.variant=dflash2" and runs[1][1][-1] == "train.max_steps=100"
 
 
+def test_a_variant_can_run_at_one_scale_only(scale, tmp_path):
+    args = scale_args(tmp_path, scales="4,6", variant=["base|", "lk@4|train.lookup_anchor_weight=0"])
+    args.work.mkdir()
+    (args.work / "regen.jsonl").write_text("".join(f'{{"row": {i}}}\n' for i in range(6)))
+    runs = scale.scale_runs(args, {"regen": {"done": 6, "total": 6}})
+    assert [name for name, _ in runs] == ["rows-4-base", "rows-4-lk", "rows-6-base"]
+    assert runs[1][1][-1] == "train.lookup_anchor_weight=0"
+
+
 def test_given_prompts_replace_the_synth_stage(scale, tmp_path):
     import lzma
 
