@@ -62,6 +62,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="training prompts made earlier (JSONL, or .xz/.gz: datasets/smollm2-135m-tasks/prompts.jsonl.xz) "
         "instead of the synth stage; give their held-out files with --heldout",
     )
+    p.add_argument(
+        "--regen-rows",
+        type=Path,
+        action="append",
+        default=[],
+        help="training rows regenerated earlier (JSONL, xz or gzip; repeat for the parts of one file "
+        "split in two, joined in order) instead of the synth and regen stages",
+    )
     p.add_argument("--num-rows", type=int, default=120_000, help="training prompts kept after the filters")
     p.add_argument("--task-file", default="chat-tasks")
     p.add_argument("--heldout-per-task", type=int, default=200)
@@ -333,6 +341,30 @@ def given_prompts(args, status: dict) -> None:
     status["synth"] = {"done": rows, "total": rows, "given": str(args.prompts)}
 
 
+def given_rows(args, status: dict) -> None:
+    """``--regen-rows``: replies regenerated on an earlier machine (the parts of one compressed file,
+    joined in order) become the work folder's ``regen.jsonl`` once; the regen stage is then done with
+    their count, so a lease spends its minutes on training instead of regenerating them."""
+    if not args.regen_rows:
+        return
+    regen = args.work / "regen.jsonl"
+    if not regen.exists():
+        joined = args.work / "regen-given"
+        with open(joined, "wb") as out:
+            for part in args.regen_rows:
+                out.write(part.read_bytes())
+        with open(joined, "rb") as head:  # by content: the parts of a split file have no suffix to go by
+            magic = head.read(6)
+        opener = lzma.open if magic == b"\xfd7zXZ\x00" else gzip.open if magic[:2] == b"\x1f\x8b" else open
+        with opener(joined, "rb") as source, open(regen.with_suffix(".tmp"), "wb") as out:
+            shutil.copyfileobj(source, out)
+        regen.with_suffix(".tmp").rename(regen)
+        joined.unlink()
+    rows = sum(1 for _ in open(regen, "rb"))
+    status["synth"] = {"done": rows, "total": rows, "given": "regenerated rows"}
+    status["regen"] = {"done": rows, "total": rows, "given": [str(p) for p in args.regen_rows]}
+
+
 def restore_synth(args) -> None:
     """A synth bundle from an earlier call, unpacked into an empty work folder (a fresh machine)."""
     if args.synth_from is None or (args.work / "prompts.jsonl").exists():
@@ -366,8 +398,10 @@ def main(argv: list[str] | None = None) -> int:
     status = json.loads(saved.read_text()) if saved.exists() else {}
     stages = args.stages.split(",")
     given_prompts(args, status)
-    if args.prompts is not None and "synth" in stages:
-        stages.remove("synth")
+    given_rows(args, status)
+    for stage, given in (("synth", args.prompts is not None or args.regen_rows), ("regen", args.regen_rows)):
+        if given and stage in stages:
+            stages.remove(stage)
     for stage, run in (("synth", synth_stage), ("regen", regen_stage)):
         if stage in stages:
             run(args, status)

@@ -111,6 +111,24 @@ def test_given_prompts_replace_the_synth_stage(scale, tmp_path):
     assert args.num_rows == 5 and status["synth"]["done"] == status["synth"]["total"] == 5
 
 
+def test_given_rows_in_two_parts_replace_synth_and_regen(scale, tmp_path):
+    import lzma
+
+    rows = b"".join(b'{"row": %d}\n' % i for i in range(7))
+    packed = lzma.compress(rows)
+    parts = [tmp_path / "rows.part00", tmp_path / "rows.part01"]  # `split`'s names: no suffix
+    parts[0].write_bytes(packed[:10])
+    parts[1].write_bytes(packed[10:])
+    args = scale_args(tmp_path, regen_rows=parts, scales="4,20")
+    args.work.mkdir()
+    status = {}
+    scale.given_rows(args, status)
+    assert (args.work / "regen.jsonl").read_bytes() == rows
+    assert status["regen"]["done"] == status["regen"]["total"] == 7
+    runs = scale.scale_runs(args, status)  # regen counts as finished: the last scale takes all 7 rows
+    assert [name for name, _ in runs] == ["rows-4", "rows-20"] and status["subsets"] == {"4": 4, "20": 7}
+
+
 def test_the_synth_bundle_carries_prompts_heldout_files_and_state_to_a_fresh_machine(
     scale, tmp_path, monkeypatch
 ):
