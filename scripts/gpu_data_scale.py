@@ -21,6 +21,8 @@ Under ``--out`` (``$OUT``), rewritten after every stage so that a call cut short
 gpu_quality's ``summary.json``, ``table.txt`` and ``logs.tar.gz``, and ``synth.tar.gz`` (the prompts,
 held-out files and synth state, split into ``synth.partNN.tar.gz`` past 15 MiB). A fresh machine
 continues the synth from that bundle: copy it into a carried folder and pass ``--synth-from DIR``.
+Prompts made earlier skip the synth stage (``--prompts``), and replies regenerated earlier skip
+synth and regen (``--regen-rows``: 33,000 rows are ~15 MB with xz, one carried file).
 
 Dry run on a CPU (the wiring end to end, numbers meaningless): ``python3 scripts/gpu_data_scale.py
 --dry-run`` (``builtin:demo-target``, tiny-cpu recipe, a few rows per task, scales 4 and 8, sittings of
