@@ -312,6 +312,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=["auto", "vllm", "transformers", "endpoint"], default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--compile-decode",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="torch.compile the in-process decode step (auto: on for attention-only targets on CUDA)",
+    )
     p.add_argument("--endpoint", default="", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
     p.add_argument("--model", default="", help="model name on the server (default: the one it serves)")
     p.add_argument("--api-key-env", default="", help="environment variable holding the server's API key")
@@ -338,6 +344,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=64, help="rows per generation batch (256-512 on a GPU)")
     p.add_argument("--device", default="auto")
+    p.add_argument(
+        "--compile-decode",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="torch.compile the in-process decode step (auto: on for attention-only targets on CUDA)",
+    )
     p.add_argument("--min-prompt-chars", type=int, default=10)
     p.add_argument(
         "--near-dup-threshold", type=float, default=0.8, help="character 5-gram Jaccard similarity"

@@ -213,8 +213,11 @@ def train_command(args: argparse.Namespace, name: str, overrides: list[str], fil
     ]
 
 
-def train_sitting(args: argparse.Namespace, runs: list[tuple[str, list[str]]], files: dict) -> dict[str, int]:
-    """One sitting of every unfinished run (``--parallel`` at a time) within the call's budget.
+def train_sitting(
+    args: argparse.Namespace, runs: list[tuple[str, list[str]]], files: dict, reserve_s: float = 0.0
+) -> dict[str, int]:
+    """One sitting of every unfinished run (``--parallel`` at a time) within the call's budget, less
+    ``reserve_s`` kept for what follows (the eval of a job that must end measured).
 
     ``train.time_limit_s`` makes each process save and exit before its limit; SIGTERM at the limit
     plus a grace period, then SIGKILL, are only backstops."""
@@ -222,7 +225,7 @@ def train_sitting(args: argparse.Namespace, runs: list[tuple[str, list[str]]], f
     codes: dict[str, int] = {}
     width = args.parallel or len(todo) or 1
     for first in range(0, len(todo), width):
-        limit = min(args.train_seconds, remaining(args) - 30)
+        limit = min(args.train_seconds, remaining(args) - 30 - reserve_s)
         if limit < min(60, args.train_seconds):
             print(f"training: {remaining(args):.0f} s left in the budget, no sitting started", flush=True)
             break

@@ -375,3 +375,24 @@ def test_a_20_turn_regenerated_row_stores_each_prompt_once_and_trains_as_full_pr
     for tokenized in built:  # trained from the stored ids, every reply of them
         assert tokenized.num_rows == 1 and tokenized.id_sources[0] > 0 and tokenized.id_fallbacks == {}
     assert [a.tolist() for a in built[0].row(0)] == [a.tolist() for a in built[1].row(0)]
+
+
+@pytest.mark.parametrize("choice, compiled", [("on", True), ("off", False), ("auto", False)])
+def test_compile_decode_reaches_the_slot_engine(tiny_qwen3_dir, chat_file, tmp_path, choice, compiled):
+    """``--compile-decode`` picks the slot engine's compiled step (auto: off on a CPU); the report says
+    which ran. ``on`` is only wrapped here (torch.compile is lazy and nothing is generated)."""
+    from dflash_train.data.regen import TransformersEngine
+
+    opts = regen_args(tiny_qwen3_dir, chat_file, tmp_path / "out.jsonl", compile_decode=choice)
+    engine = TransformersEngine(opts, "cpu")
+    assert engine.generator.compile_decode is compiled
+    if not compiled:
+        result = run_regen(opts)
+        assert result["compile_decode"] is False and result["rows_done"] == 4
+
+
+def test_compile_decode_refuses_an_unknown_choice(tmp_path):
+    with pytest.raises(ValueError, match="--compile-decode 'yes'"):
+        regen_args("t", tmp_path / "d", tmp_path / "o", compile_decode="yes")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["regen", "--target", "t", "--data", "d", "--output", "o", "--compile-decode", "yes"])

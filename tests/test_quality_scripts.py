@@ -150,3 +150,20 @@ def test_the_synth_bundle_carries_prompts_heldout_files_and_state_to_a_fresh_mac
     fresh.work.mkdir()
     scale.restore_synth(fresh)
     assert {name: (fresh.work / name).read_text() for name in files} == files
+
+
+def test_a_training_sitting_leaves_the_evals_time_in_the_budget(scale, tmp_path, monkeypatch):
+    """A job that must end measured: its sitting's limit is the budget less the reserved eval time,
+    and no sitting starts when only the reserve is left."""
+    quality = sys.modules["gpu_quality"]
+    limits = []
+    monkeypatch.setattr(quality, "run_status", lambda args, name: {"finished": False, "step": 0, "total_steps": 9, "sittings": 0})  # fmt: skip
+    monkeypatch.setattr(quality, "train_command", lambda args, name, overrides, files, limit: limits.append(limit) or ["true"])  # fmt: skip
+    monkeypatch.setattr(quality, "cli", lambda *command: ["true"])
+    monkeypatch.setattr(quality, "logs_dir", lambda args: tmp_path)
+    args = argparse.Namespace(train_seconds=1000, parallel=0, budget_s=700, started=quality.time.monotonic())
+    quality.train_sitting(args, [("a", [])], {}, reserve_s=250)
+    assert len(limits) == 1 and 410 <= limits[0] <= 420  # 700 - 30 - 250, less the test's own time
+    args.budget_s = 300  # 300 - 30 - 250 = 20 s: below a minute, nothing starts
+    quality.train_sitting(args, [("a", [])], {}, reserve_s=250)
+    assert len(limits) == 1

@@ -47,7 +47,7 @@ from dflash_train.data.regen_turns import (
 from dflash_train.data.skips import SkipCounts
 from dflash_train.data.special_tokens import end_of_turn_id, pad_id, resolve_eos_ids
 from dflash_train.data.tokenize import template_kwargs
-from dflash_train.generate.engine import QUEUE_ROWS_PER_SLOT, build_generator
+from dflash_train.generate.engine import QUEUE_ROWS_PER_SLOT, build_generator, compile_decode_choice
 from dflash_train.generate.sampling import Sampling, load_generator, resolve_device
 
 
@@ -114,6 +114,8 @@ def run_regen(opts: RegenOptions) -> dict[str, Any]:
         "rows_skipped": num_skipped,
         "bad_rows": skips.to_dict(),
         "engine": engine.name if engine else "none",
+        # The slot engine's compiled decode step (None: another engine, or nothing to do).
+        "compile_decode": getattr(getattr(engine, "generator", None), "compile_decode", None),
         "rows_per_s": round(counts["rows_done"] / elapsed, 2) if todo and elapsed > 0 else 0.0,
         "elapsed_s": round(elapsed, 2),
         "output": str(output),
@@ -282,7 +284,9 @@ class TransformersEngine:
         self.stop_ids = reply_stop_ids(self.tokenizer, eos, self.template_kwargs)
         self.pad_id = pad_id(self.tokenizer, eos)  # no pad token (Llama-3): EOS under the mask
         self.sampling = Sampling(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
-        self.generator = build_generator(self.model, num_slots=opts.batch_size)
+        self.generator = build_generator(
+            self.model, num_slots=opts.batch_size, compile_decode=compile_decode_choice(opts.compile_decode)
+        )
 
     def regenerate(self, rows: list[ChatRow]):
         return regenerate(self, rows)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dflash_train.data.regen_turns import THINKING
+from dflash_train.generate.engine import compile_decode_choice
 from dflash_train.generate.sampling import Sampling
 
 
@@ -27,6 +28,8 @@ class RegenOptions:
     engine: str = "auto"
     device: str = "auto"
     seed: int = 0
+    # The in-process slot engine's torch.compile of its decode step: auto (its default), on, off.
+    compile_decode: str = "auto"
     # OpenAI-compatible server (``http://HOST:PORT/v1``); empty = generate in process.
     endpoint: str = ""
     model: str = ""
@@ -45,3 +48,4 @@ class RegenOptions:
         if self.batch_size < 1 or self.max_new_tokens < 1 or self.concurrency < 1 or self.retries < 0:
             raise ValueError("--batch-size, --max-new-tokens and --concurrency must be >= 1, --retries >= 0")
         Sampling(temperature=self.temperature, top_p=self.top_p)  # validates both
+        compile_decode_choice(self.compile_decode)

@@ -58,7 +58,7 @@ from dflash_train.data.tokenize import (
     template_kwargs,
     turn_closing_text,
 )
-from dflash_train.generate.engine import QUEUE_ROWS_PER_SLOT, build_generator
+from dflash_train.generate.engine import QUEUE_ROWS_PER_SLOT, build_generator, compile_decode_choice
 from dflash_train.generate.sampling import Sampling, load_generator, resolve_device
 
 THINKING = {"on": True, "off": False, "default": None}
@@ -93,6 +93,7 @@ class SynthOptions:
     seed: int = 0
     batch_size: int = 64
     device: str = "auto"
+    compile_decode: str = "auto"  # the slot engine's torch.compile of its decode step (auto, on, off)
     thinking: str = "default"
     # Greedy replies between the turns of a multi-turn row.
     max_reply_tokens: int = 512
@@ -116,6 +117,7 @@ class SynthOptions:
         if self.thinking not in THINKING:
             raise ValueError(f"--thinking {self.thinking!r}: use one of {list(THINKING)}")
         Sampling(temperature=self.temperature, top_p=self.top_p)  # validates both
+        compile_decode_choice(self.compile_decode)
 
 
 def magpie_prefix(tokenizer, history: list[dict], kwargs: dict) -> str:
@@ -191,7 +193,9 @@ class Synthesizer:
         self.systems = [[{"role": "system", "content": t.system}] if t.system else [] for t in tasks]
         self.first_prefixes = [magpie_prefix(self.tokenizer, system, self.kwargs) for system in self.systems]
         self.sampling = Sampling(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
-        self.generator = build_generator(self.model, num_slots=opts.batch_size)
+        self.generator = build_generator(
+            self.model, num_slots=opts.batch_size, compile_decode=compile_decode_choice(opts.compile_decode)
+        )
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

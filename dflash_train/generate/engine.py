@@ -431,6 +431,17 @@ def default_compile_decode(model: torch.nn.Module, device: torch.device, decode_
     return device.type == "cuda" and decode_attention == "grouped" and not hybrid
 
 
+# ``--compile-decode`` of regen and synth: the slot engine's ``compile_decode`` (auto = its default).
+COMPILE_DECODE = {"auto": None, "on": True, "off": False}
+
+
+def compile_decode_choice(value: str) -> bool | None:
+    """``SlotEngine(compile_decode=)`` for a ``--compile-decode`` value (auto, on, off)."""
+    if value not in COMPILE_DECODE:
+        raise ValueError(f"--compile-decode {value!r}: use one of {list(COMPILE_DECODE)}")
+    return COMPILE_DECODE[value]
+
+
 def compiled_step(step_body):
     """``step_body`` under torch.compile: the decode forward and the draw as fused kernels (RMSNorm,
     RoPE, SwiGLU, residual adds, the sampling tail), captured into the engine's graphs like the eager
