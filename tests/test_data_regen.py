@@ -395,4 +395,6 @@ def test_compile_decode_refuses_an_unknown_choice(tmp_path):
     with pytest.raises(ValueError, match="--compile-decode 'yes'"):
         regen_args("t", tmp_path / "d", tmp_path / "o", compile_decode="yes")
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["regen", "--target", "t", "--data", "d", "--output", "o", "--compile-decode", "yes"])
+        build_parser().parse_args(
+            ["regen", "--target", "t", "--data", "d", "--output", "o", "--compile-decode", "yes"]
+        )
