@@ -277,3 +277,24 @@ def test_the_compiled_step_refuses_the_flex_attention():
             decode_attention="flex",
             compile_decode=True,
         )
+
+
+def test_a_grown_cache_counts_the_allocators_unused_blocks_as_free(monkeypatch):
+    """Growing the slot cache drops the old one first; its blocks stay reserved by PyTorch's allocator
+    (which hands them back before failing), so the fit check must count them: on an H200, regen's
+    cache of 2,048 slots grown from 1,536 to 1,792 tokens was refused with 68.9 GiB "free" while the
+    old cache's ~70 GiB sat unused in the allocator."""
+    from types import SimpleNamespace
+
+    from dflash_train.generate import engine as engine_module
+
+    layer = SimpleNamespace(keys=torch.zeros(1, 2, 8, 4))  # 2 heads x 4 dims, float32: 64 bytes per token
+    prefill = SimpleNamespace(layers=[layer])
+    need = 16 * 1024 * 64  # 16 slots x 1,024 tokens: 1 MiB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (need // 2, 4 * need))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: need // 4)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: need // 4 + need)
+    engine_module.check_free_memory(prefill, 16, 1024, torch.device("cuda"))  # 1.5 MiB usable: fits
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: need // 4)
+    with pytest.raises(ValueError, match=r"16 slots x 1024 tokens"):
+        engine_module.check_free_memory(prefill, 16, 1024, torch.device("cuda"))

@@ -470,12 +470,20 @@ def check_free_memory(prefill, num_slots: int, capacity: int, device: torch.devi
         else:
             per_slot += capacity * (layer.keys[0, :, 0].numel() * 2) * layer.keys.element_size()
     need = per_slot * num_slots
-    free, _ = torch.cuda.mem_get_info(device)
+    free = free_device_memory(device)
     if need > FREE_MEMORY_FRACTION * free:
         raise ValueError(
             f"the generation cache needs {need / 2**30:.1f} GiB ({num_slots} slots x {capacity} tokens) but "
             f"{free / 2**30:.1f} GiB are free: lower the batch size or the maximum new tokens"
         )
+
+
+def free_device_memory(device: torch.device) -> int:
+    """Bytes a new allocation can take: the device's free memory plus what PyTorch's allocator holds
+    unused (a slot cache dropped to grow keeps its blocks reserved, and the allocator hands them back
+    before it fails; the device alone would count them as taken)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 # ----------------------------------------------------------------------------- engine choice
