@@ -19,7 +19,8 @@ runs under a timeout inside the budget:
 Under ``--out`` (``$OUT``), rewritten after every stage so that a call cut short still returns them:
 ``status.json`` (each stage's latest result and where every run is; ``done`` once all is measured),
 gpu_quality's ``summary.json``, ``table.txt`` and ``logs.tar.gz``, and ``synth.tar.gz`` (the prompts,
-held-out files and synth state, split into ``synth.partNN.tar.gz`` past 15 MiB). A fresh machine
+held-out files and synth state, split into ``synth.partNN.tar.gz`` past 15 MiB), and once regen is
+done ``regen-rows.partNN.jsonl.xz`` (the rows, for a later lease's ``--regen-rows``). A fresh machine
 continues the synth from that bundle: copy it into a carried folder and pass ``--synth-from DIR``.
 Prompts made earlier skip the synth stage (``--prompts``), and replies regenerated earlier skip
 synth and regen (``--regen-rows``: 33,000 rows are ~15 MB with xz, one carried file).
@@ -35,7 +36,9 @@ import argparse
 import gzip
 import json
 import lzma
+import shlex
 import shutil
+import subprocess
 import sys
 import tarfile
 import time
@@ -338,6 +341,26 @@ def bundle_synth(args) -> None:
         (args.out / f"synth.part{i // PART_BYTES:02d}.tar.gz").write_bytes(data[i : i + PART_BYTES])
 
 
+def bundle_rows(args, status: dict, part_bytes: int = PART_BYTES) -> subprocess.Popen | None:
+    """Once regen has every row: ``regen-rows.partNN.jsonl.xz`` under --out (xz in parts of at most
+    ``part_bytes``, so a call brings them back and a later lease carries them as ``--regen-rows``),
+    then ``regen-rows.complete``. It runs beside training (``xz -T0``); the caller need not wait."""
+    record, regen = status.get("regen", {}), args.work / "regen.jsonl"
+    finished = record.get("done", 0) >= record.get("total", 1) or record.get("exhausted")
+    if not finished or not regen.exists() or (args.out / "regen-rows.complete").exists():
+        return None
+    if shutil.which("xz") is None or shutil.which("split") is None:
+        raise SystemExit("bundling the regenerated rows needs the xz and split commands")
+    args.out.mkdir(parents=True, exist_ok=True)
+    for old in args.out.glob("regen-rows.part*"):
+        old.unlink()
+    pipeline = (
+        f"xz -T0 -6 -c {shlex.quote(str(regen))} | split -b {part_bytes} -d -a 2 --additional-suffix=.jsonl.xz"
+        f" - {shlex.quote(str(args.out / 'regen-rows.part'))} && touch {shlex.quote(str(args.out / 'regen-rows.complete'))}"
+    )
+    return subprocess.Popen(["bash", "-c", f"set -o pipefail; {pipeline}"], start_new_session=True)
+
+
 def given_prompts(args, status: dict) -> None:
     """``--prompts``: the training prompts decompressed once into the work folder; the synth stage
     is then done with their count."""
@@ -419,7 +442,10 @@ def main(argv: list[str] | None = None) -> int:
         if stage in stages:
             run(args, status)
             write_status(args, status)
+    bundling = bundle_rows(args, status) if "regen" in stages else None
     train_and_eval(args, status, stages)
+    if bundling is not None:
+        bundling.wait()
     write_status(args, status)
     print(json.dumps({k: status.get(k) for k in ("done", "runs", "evaluated", "elapsed_s")}), flush=True)
     return 0

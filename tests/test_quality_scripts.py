@@ -167,3 +167,28 @@ def test_a_training_sitting_leaves_the_evals_time_in_the_budget(scale, tmp_path,
     args.budget_s = 300  # 300 - 30 - 250 = 20 s: below a minute, nothing starts
     quality.train_sitting(args, [("a", [])], {}, reserve_s=250)
     assert len(limits) == 1
+
+
+def test_regenerated_rows_come_back_in_xz_parts_that_given_rows_joins(scale, tmp_path):
+    """Once regen has every row, the rows go to --out in xz parts (each under the limit of a call's
+    files) beside training; a later lease's ``--regen-rows`` parts rebuild them byte for byte."""
+    import random
+
+    rng = random.Random(0)
+    rows = "".join(json.dumps({"row": i, "text": f"{rng.getrandbits(2400):x}"}) + "\n" for i in range(400))
+    args = scale_args(tmp_path)
+    args.work.mkdir()
+    (args.work / "regen.jsonl").write_text(rows)
+    assert scale.bundle_rows(args, {"regen": {"done": 399, "total": 400}}) is None  # not finished yet
+    status = {"regen": {"done": 400, "total": 400}}
+    scale.bundle_rows(args, status, part_bytes=50_000).wait()
+    parts = sorted(args.out.glob("regen-rows.part*.jsonl.xz"))
+    assert len(parts) >= 2 and all(p.stat().st_size <= 50_000 for p in parts)
+    assert (args.out / "regen-rows.complete").exists()
+    assert scale.bundle_rows(args, status) is None  # once
+
+    later = scale_args(tmp_path / "later", regen_rows=parts)
+    later.work.mkdir(parents=True)
+    given = {}
+    scale.given_rows(later, given)
+    assert (later.work / "regen.jsonl").read_text() == rows and given["regen"]["done"] == 400
