@@ -203,7 +203,7 @@ def test_regen_counts_rows_whose_text_does_not_round_trip(
     fake = SimpleNamespace(
         generated_tokens=0, generate=lambda prompts, keys, **_: [Generation(split, True)] * len(prompts)
     )
-    monkeypatch.setattr(regen, "build_generator", lambda model, num_slots: fake)
+    monkeypatch.setattr(regen, "build_generator", lambda model, num_slots, **_: fake)
     output = tmp_path / "regen.jsonl"
     result = run_regen(regen_args(tiny_hybrid_dir, chat_file, output, max_rows=2))
     assert result["rows_done"] == 2 and result["rows_not_round_trip"] == 2

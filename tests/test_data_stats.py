@@ -65,7 +65,7 @@ def test_regen_rows_train_from_the_ids_the_target_generated(tmp_path, tiny_hybri
     fake = SimpleNamespace(
         generated_tokens=0, generate=lambda prompts, keys, **_: [Generation(split, True)] * len(prompts)
     )
-    monkeypatch.setattr(regen, "build_generator", lambda model, num_slots: fake)
+    monkeypatch.setattr(regen, "build_generator", lambda model, num_slots, **_: fake)
     chats = write_lines(tmp_path / "chats.jsonl", ROWS[:2])
     output = tmp_path / "regen.jsonl"
     result = run_regen(regen_args(tiny_hybrid_dir, chats, output))
@@ -116,7 +116,7 @@ def test_replies_regen_cut_at_the_limit_train_without_their_end_of_turn(
     monkeypatch.setattr(
         regen,
         "build_generator",
-        lambda model, num_slots: SimpleNamespace(generated_tokens=0, generate=generate),
+        lambda model, num_slots, **_: SimpleNamespace(generated_tokens=0, generate=generate),
     )
     output = tmp_path / "regen.jsonl"
     result = run_regen(regen_args(tiny_hybrid_dir, write_lines(tmp_path / "chats.jsonl", ROWS[:2]), output))
