@@ -28,6 +28,7 @@ def test_tiny_bench_runs_on_cpu_and_reports_the_contract_keys(tmp_path):
     assert result["tokens_per_s"] > 0 and result["block_size"] == 8 and result["num_anchors"] == 32
     assert "Self CPU" in profile.read_text()  # the kernel table of one profiled step
     assert result["tflop_per_step"] > 0 and result["target_kernels"]["chunk_gated_delta_rule"] == "torch"
+    assert result["target_kernels"]["compile"] == "none (target.compile off)"  # tiny: compile off
     # the progress bar on stderr: 1 warm-up + 1 timed + 1 profiled step
     assert "bench train" in out.stderr and "3/3" in out.stderr
 

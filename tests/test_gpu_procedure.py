@@ -5,6 +5,7 @@ stand-in ``python3`` that records what it is asked to run)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -16,11 +17,12 @@ REPO = Path(__file__).resolve().parents[1]
 SEPARATOR = "\x1f"
 
 
-def recorded_commands(tmp_path: Path, *groups: str) -> list[list[str]]:
-    """The argument lists of every ``python3`` call the script makes for ``groups``."""
+def recorded_commands(tmp_path: Path, *groups: str, seconds: float = 0, **env_vars: str) -> list[list[str]]:
+    """The argument lists of every ``python3`` call the script makes for ``groups`` (each call taking
+    ``seconds``)."""
     log, shim = tmp_path / "calls.txt", tmp_path / "bin" / "python3"
     shim.parent.mkdir()
-    shim.write_text(f"#!/bin/sh\nprintf '%s{SEPARATOR}' \"$@\" >> {log}\necho >> {log}\n")
+    shim.write_text(f"#!/bin/sh\nprintf '%s{SEPARATOR}' \"$@\" >> {log}\necho >> {log}\nsleep {seconds}\n")
     shim.chmod(0o755)
     env = {
         **os.environ,
@@ -28,6 +30,7 @@ def recorded_commands(tmp_path: Path, *groups: str) -> list[list[str]]:
         "OUT": str(tmp_path / "logs"),
         "CKPT_DIR": str(tmp_path / "ckpt"),
         "SMOLLM2": "/models/smollm2",
+        **env_vars,
     }
     subprocess.run(
         ["bash", "scripts/gpu_checks.sh", *groups], cwd=REPO, env=env, check=True, capture_output=True
@@ -69,3 +72,16 @@ def test_no_file_name_in_the_repository_contains_round():
         pytest.skip("not a git checkout")
     tracked = listed.stdout
     assert [path for path in tracked.splitlines() if "round" in Path(path).name.lower()] == []
+
+
+def test_every_step_fits_one_device_call_and_the_budget_stops_the_rest(tmp_path):
+    # One device call runs at most 600 s: no step may be given more than 570, and the steps of a group
+    # together stop at BUDGET_S, the rest listed as not run.
+    script = (REPO / "scripts" / "gpu_checks.sh").read_text()
+    limits = [int(n) for n in re.findall(r"^\s*(?:bench_)?step \S+ (\d+) ", script, flags=re.MULTILINE)]
+    assert len(limits) >= 15 and max(limits) <= 570
+    calls = recorded_commands(tmp_path, "lengths", seconds=2, BUDGET_S="33")
+    benches = [c[3:5] for c in calls if c[:3] == ["-m", "dflash_train.cli", "bench"]]
+    assert benches == [["lengths", "short-chat"]]
+    summary = (tmp_path / "logs" / "summary.txt").read_text()
+    assert "lengths_mixed_chat       not run: under 30 s of BUDGET_S=33 left" in summary

@@ -52,6 +52,7 @@ def test_tiny_length_bench_compares_buckets_and_packing(tmp_path, capsys):
         assert mode["real_tokens_per_s"] > 0 and 0 <= mode["padding_waste_timed"] < 1
         assert mode["real_tokens_per_s"] <= mode["batch_tokens_per_s"]
     assert result["packing_speedup"] > 0
+    assert result["target_kernels"]["compile"] == "none (target.compile off)"  # tiny: compile off
 
 
 def test_every_bucket_compiles_its_layer_graphs_once_before_the_timed_steps(tmp_path, monkeypatch):

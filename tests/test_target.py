@@ -405,6 +405,30 @@ def test_compile_target_regions_leaves_the_fla_token_mixer_eager():
     assert len(names) == 4 * len(model.get_decoder().layers)
 
 
+def test_compile_report_counts_what_each_compilation_wrapped_without_compiling():
+    # torch.compile wraps lazily: the report reads the wrappers, so nothing compiles on CPU here.
+    model = target_loading.build_preset_target("tiny-hybrid", dtype=torch.float32, device="cpu")
+    assert target_kernels.compile_report(model) == "none"
+    target_kernels.compile_target_regions(model)
+    assert target_kernels.compile_report(model) == (
+        "regions (linear_attn.norm x3, mlp x4, input_layernorm x4, post_attention_layernorm x4, "
+        "self_attn x1; in 4 of 4 layers)"
+    )
+    model = target_loading.build_preset_target("tiny-hybrid", dtype=torch.float32, device="cpu")
+    target_kernels.compile_target_layers(model)
+    assert target_kernels.compile_report(model) == "whole layers (4 of 4)"
+    del model.get_decoder().layers[1].forward  # back to the class's own, uncompiled forward
+    assert target_kernels.compile_report(model) == "whole layers (3 of 4)"
+
+
+def test_load_target_records_what_was_compiled(tiny_qwen3_dir):
+    cfg = TargetConfig(path=str(tiny_qwen3_dir), target_layer_ids=[0, 1])
+    assert load_target(cfg, "cpu").kernels["compile"] == "none (target.compile off)"
+    on_cpu = load_target(cfg, "cpu", compile_regions=True)
+    assert on_cpu.kernels["compile"] == "none (target.compile applies on CUDA only)"
+    assert target_kernels.compile_report(on_cpu.model) == "none"
+
+
 @pytest.mark.gpu
 def test_compiled_target_regions_give_the_same_features_on_cuda():
 

@@ -238,17 +238,35 @@ def test_fp8_features_close_to_bf16_on_gpu(request, fixture):
 
 
 @pytest.mark.gpu
-def test_fp8_target_compiles_regionally_on_gpu(tiny_qwen3_dir):
-    # target.compile after quantization: the compiled MLP / attention regions trace the float8 linears.
+def test_fp8_target_compiles_whole_layers_on_gpu(tiny_qwen3_dir):
+    # target.compile after quantization compiles every decoder layer's forward (compile_target_layers),
+    # not the per-region MLPs of a bf16 target: each float8 linear's activation quantization then fuses
+    # into the op before it. The compiled forward must trace the float8 linears whole: no graph break,
+    # no frame dynamo gives up on (either would run part of every layer eagerly).
+    from torch._dynamo.utils import counters
+
+    from dflash_train.models.target_kernels import compile_report
+
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("needs FP8 tensor cores (sm89+)")
     pytest.importorskip("torchao")
     cfg = TargetConfig(path=str(tiny_qwen3_dir), dtype="bfloat16", target_layer_ids=[0, 1], fp8=True)
     eager = load_target(cfg, "cuda")
     compiled = load_target(cfg, "cuda", compile_regions=True)
-    assert compiled.decoder.layers[0].mlp._compiled_call_impl is not None
+    layers = compiled.decoder.layers
+    assert all(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in layers)
+    assert all(layer.mlp._compiled_call_impl is None for layer in layers)  # no regions on top
+    assert compiled.kernels["compile"] == f"whole layers ({len(layers)} of {len(layers)})"
+    assert compile_report(compiled.model) == compiled.kernels["compile"]
+    assert eager.kernels["compile"] == "none (target.compile off)"
     ids = torch.randint(0, eager.vocab_size, (1, 128), generator=torch.Generator().manual_seed(1)).cuda()
-    assert cosine(compiled.features(ids), eager.features(ids)) > 0.999
+    torch._dynamo.reset()
+    counters.clear()
+    got = compiled.features(ids)
+    assert counters["stats"]["unique_graphs"] >= 1  # the layers really ran compiled
+    assert dict(counters["graph_break"]) == {}
+    assert counters["frames"]["total"] == counters["frames"]["ok"]  # no eager fallback
+    assert cosine(got, eager.features(ids)) > 0.999
 
 
 # ----------------------------------------------------------------------------- bench

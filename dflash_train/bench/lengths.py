@@ -236,6 +236,7 @@ def run_length_bench(
         "modes": modes,
         "packing_speedup": modes["packing"]["real_tokens_per_s"]
         / max(modes["buckets"]["real_tokens_per_s"], 1e-9),
+        "target_kernels": target.kernels,  # what the shared target runs on, its compilation included
     }
 
 

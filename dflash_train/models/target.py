@@ -34,6 +34,7 @@ from dflash_train.models.target_kernels import (
     bind_fla_causal_conv,
     bound_kernels,
     check_fast_kernels,
+    compile_report,
     compile_target_layers,
     compile_target_regions,
     gated_delta_net_layers,
@@ -407,7 +408,7 @@ def load_target(
     (benchmarks) builds a ``preset:`` target only up to ``max(target_layer_ids)``; a checkpoint is
     always loaded whole because eval and regeneration need every layer. ``compile_regions`` (the
     training feature pass, ``target.compile``) applies ``compile_target_regions`` on CUDA
-    (``compile_target_layers`` for an FP8 target).
+    (``compile_target_layers`` for an FP8 target); ``kernels["compile"]`` says what was compiled.
     ``cfg.fp8`` is checked before any weight loads and converts the decoder linears to FP8 before
     that compilation (``models/target_fp8.py``).
     """
@@ -447,6 +448,11 @@ def load_target(
     if compile_regions and device.type == "cuda":
         # FP8 linears need their activation quantization fused: whole layers (compile_target_layers).
         (compile_target_layers if cfg.fp8 else compile_target_regions)(model)
+        kernels["compile"] = compile_report(model)
+    elif compile_regions:
+        kernels["compile"] = "none (target.compile applies on CUDA only)"
+    else:
+        kernels["compile"] = "none (target.compile off)"
     target = FrozenTarget(model, tokenizer, layer_ids, kernels=kernels)
     target.built_truncated = num_hidden_layers is not None
     return target

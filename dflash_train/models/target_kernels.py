@@ -236,3 +236,30 @@ def compile_target_regions(model: nn.Module) -> list[str]:
                 region.compile(dynamic=False)
                 compiled.append(f"layers.{index}.{region_name}")
     return compiled
+
+
+def compile_report(model: nn.Module) -> str:
+    """What of the decoder is compiled, read from the layers themselves (``FrozenTarget.kernels``'s
+    ``compile``, in run metadata and the bench JSON).
+
+    ``whole layers (N of M)`` where layer forwards were replaced by ``torch.compile`` wrappers
+    (``compile_target_layers``), ``regions (...)`` naming each compiled submodule kind with its count
+    (``compile_target_regions``), ``none`` where nothing is. Wrapping is lazy (nothing compiles
+    before the first forward), so this reports what will run compiled without compiling it.
+    """
+    layers = list(model.get_decoder().layers)
+    whole = sum(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in layers)
+    regions: dict[str, int] = {}
+    layers_with_regions = 0
+    for layer in layers:
+        names = [n for n, m in layer.named_modules() if n and m._compiled_call_impl is not None]
+        layers_with_regions += bool(names)
+        for name in names:
+            regions[name] = regions.get(name, 0) + 1
+    parts = []
+    if whole:
+        parts.append(f"whole layers ({whole} of {len(layers)})")
+    if regions:
+        kinds = ", ".join(f"{name} x{count}" for name, count in regions.items())
+        parts.append(f"regions ({kinds}; in {layers_with_regions} of {len(layers)} layers)")
+    return " + ".join(parts) or "none"
