@@ -39,6 +39,29 @@ def test_the_generation_mode_reports_engines_agreement_and_the_decode_profile(tm
         assert record["sort_ms"] > 0 and record["sort_free_ms"] > 0 and record["nucleus_rows_differing"] == 0
 
 
+def test_the_generation_mode_reports_the_compiled_steps_compilations(tmp_path, capsys, monkeypatch):
+    """Per run: the decode step's compilations in the warm-up and in the timed run, with their seconds
+    (dynamo's eager backend here: tracing and guards, no code generation)."""
+    import torch
+
+    from dflash_train.generate import compiled_step
+
+    monkeypatch.setattr(compiled_step, "COMPILE_BACKEND", "eager")
+    torch._dynamo.reset()  # no compiled entry of an earlier test serves this run
+    out = tmp_path / "generation.json"
+    code = main([
+        "bench", "generation", "--preset", "tiny-qwen3", "--device", "cpu", "--num-prompts", "5",
+        "--batch-sizes", "2", "--max-new-tokens", "24", "--engines", "slots-uncompiled,slots-compiled",
+        "--out", str(out), "--no-progress", "--json",
+    ])  # fmt: skip
+    assert code == 0
+    uncompiled, compiled = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"]
+    for key in ("warmup_decode_compiles", "decode_compiles", "warmup_decode_compile_s", "decode_compile_s"):
+        assert uncompiled[key] == 0
+    assert compiled["status"] == "ok" and compiled["warmup_decode_compiles"] >= 1
+    assert 0 < compiled["warmup_decode_compile_s"] <= compiled["warmup_s"]
+
+
 def test_bad_engine_lists_are_refused_with_the_choices(capsys):
     code = main(["bench", "generation", "--preset", "tiny-qwen3", "--engines", "slots,paged"])
     assert code != 0

@@ -378,17 +378,27 @@ def test_a_20_turn_regenerated_row_stores_each_prompt_once_and_trains_as_full_pr
 
 
 @pytest.mark.parametrize("choice, compiled", [("on", True), ("off", False), ("auto", False)])
-def test_compile_decode_reaches_the_slot_engine(tiny_qwen3_dir, chat_file, tmp_path, choice, compiled):
+def test_compile_decode_reaches_the_slot_engine(
+    tiny_qwen3_dir, chat_file, tmp_path, monkeypatch, choice, compiled
+):
     """``--compile-decode`` picks the slot engine's compiled step (auto: off on a CPU); the report says
-    which ran. ``on`` is only wrapped here (torch.compile is lazy and nothing is generated)."""
-    from dflash_train.data.regen import TransformersEngine
+    which ran and what its compilations cost (dynamo's eager backend here: tracing and guards, no
+    code generation)."""
+    import torch
 
+    from dflash_train.data.regen import TransformersEngine
+    from dflash_train.generate import compiled_step
+
+    monkeypatch.setattr(compiled_step, "COMPILE_BACKEND", "eager")
+    torch._dynamo.reset()  # no compiled entry of an earlier test serves this run
     opts = regen_args(tiny_qwen3_dir, chat_file, tmp_path / "out.jsonl", compile_decode=choice)
-    engine = TransformersEngine(opts, "cpu")
-    assert engine.generator.compile_decode is compiled
-    if not compiled:
-        result = run_regen(opts)
-        assert result["compile_decode"] is False and result["rows_done"] == 4
+    assert TransformersEngine(opts, "cpu").generator.compile_decode is compiled
+    result = run_regen(opts)
+    assert result["compile_decode"] is compiled and result["rows_done"] == 4
+    if compiled:
+        assert result["decode_compiles"] >= 1 and 0 < result["decode_compile_s"] <= result["elapsed_s"]
+    else:
+        assert result["decode_compiles"] == 0 and result["decode_compile_s"] == 0.0
 
 
 def test_compile_decode_refuses_an_unknown_choice(tmp_path):

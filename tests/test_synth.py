@@ -235,6 +235,19 @@ def test_synth_cli_json(chatty_dir, tmp_path, capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["rows"] == 3 and set(result["filtered"]) >= {"near_duplicate", "exact_duplicate"}
     assert os.path.exists(str(out) + ".state.json")
+    assert result["decode_compiles"] == 0 and result["decode_compile_s"] == 0.0  # auto: eager on a CPU
+
+
+def test_synth_reports_the_compiled_steps_compilations(chatty_dir, tmp_path, monkeypatch):
+    """``--compile-decode on``: the summary counts the decode step's compilations and their seconds
+    (dynamo's eager backend here: tracing and guards, no code generation)."""
+    from dflash_train.generate import compiled_step
+
+    monkeypatch.setattr(compiled_step, "COMPILE_BACKEND", "eager")
+    torch._dynamo.reset()  # no compiled entry of an earlier test serves this run
+    result = run_synth(options(chatty_dir, tmp_path / "c.jsonl", num_rows=3, compile_decode="on"))
+    assert result["rows"] == 3
+    assert result["decode_compiles"] >= 1 and 0 < result["decode_compile_s"] <= result["elapsed_s"]
 
 
 @pytest.mark.parametrize(

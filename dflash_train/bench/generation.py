@@ -27,6 +27,10 @@ the graphed step's time against its memory-traffic floor (weights + each slot's 
 recurrent states, at the measured 4.16 TB/s copy bandwidth of an H200), and an eager step's GPU time
 by operator, with the share spent copying (written to ``decode_profile_<batch>.txt``).
 
+A slot-engine run also reports its compiled step's compilations (``compile_decode``) and their seconds,
+in the warm-up (``warmup_decode_compiles``, ``warmup_decode_compile_s``) and in the timed run
+(``decode_compiles``, ``decode_compile_s``: its rows/s include them).
+
 ``--sampler-shapes 1024x49152,64x248320`` first times the top-p draw alone at each ROWSxVOCAB shape
 (``bench.sampler_timing``): the sort-based draw the engines ran before against the sort-free one,
 each captured in a CUDA graph as the decode step runs it.
@@ -58,6 +62,7 @@ import torch
 from dflash_train.bench.decode_profile import profile_decode
 from dflash_train.bench.progress import StepLimits, StepProgress
 from dflash_train.bench.sampler_timing import time_samplers
+from dflash_train.generate.compiled_step import compile_report
 from dflash_train.generate.engine import SlotEngine
 from dflash_train.generate.sampling import PaddedEngine, Sampling
 
@@ -231,6 +236,7 @@ def run_engine(
         generate(range(min(batch_size, len(prompts))))
         synchronize(device)
         record["warmup_s"] = round(time.perf_counter() - started, 2)
+    warmup = compile_report(engine)  # the compiled step's compilations in the warm-up
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     steps_before = getattr(engine, "num_steps", 0)
@@ -240,9 +246,15 @@ def run_engine(
         synchronize(device)
         elapsed = time.perf_counter() - started
     if hasattr(engine, "num_steps"):
+        total = compile_report(engine)
         record |= {
             "decode_steps": engine.num_steps - steps_before,
             "decode_attention": engine.decode_attention,
+            "warmup_decode_compiles": warmup["decode_compiles"],
+            "warmup_decode_compile_s": warmup["decode_compile_s"],
+            # in the timed run (its rows/s pay for them): 0 where the warm-up compiled all it needs
+            "decode_compiles": total["decode_compiles"] - warmup["decode_compiles"],
+            "decode_compile_s": round(total["decode_compile_s"] - warmup["decode_compile_s"], 2),
         }
     tokens = sum(len(g.token_ids) + g.finished for g in generations)
     record |= {
@@ -380,6 +392,7 @@ def print_table(result: dict) -> None:
     """The runs, the decode profiles and the agreement, for a reader (stderr)."""
     lines = [
         f"{'batch':>6} {'engine':<14} {'status':<8} {'rows/s':>9} {'gen tok/s':>11} {'peak GiB':>9} {'hit limit':>9}"
+        f" {'compiles':>9}"
     ]
     for r in result["runs"]:
         ok = r.get("status") == "ok"
@@ -387,9 +400,11 @@ def print_table(result: dict) -> None:
             r.get(k, "-") if ok else "-"
             for k in ("rows_per_s", "generated_tokens_per_s", "peak_memory_gib", "rows_hit_limit")
         ]
+        # compilations of the decode step: warm-up + timed run
+        compiles = f"{r['warmup_decode_compiles']}+{r['decode_compiles']}" if "decode_compiles" in r else "-"
         lines.append(
             f"{r['batch_size']:>6} {r['engine']:<14} {str(r.get('status'))[:8]:<8} "
-            f"{cells[0]!s:>9} {cells[1]!s:>11} {cells[2]!s:>9} {cells[3]!s:>9}"
+            f"{cells[0]!s:>9} {cells[1]!s:>11} {cells[2]!s:>9} {cells[3]!s:>9} {compiles:>9}"
         )
     for r in result["profiles"]:
         if "step_ms" in r:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dflash_train.data.regen_turns import THINKING
-from dflash_train.generate.engine import compile_decode_choice
+from dflash_train.generate.compiled_step import compile_decode_choice
 from dflash_train.generate.sampling import Sampling
 
 

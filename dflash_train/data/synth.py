@@ -58,7 +58,8 @@ from dflash_train.data.tokenize import (
     template_kwargs,
     turn_closing_text,
 )
-from dflash_train.generate.engine import QUEUE_ROWS_PER_SLOT, build_generator, compile_decode_choice
+from dflash_train.generate.compiled_step import compile_decode_choice, compile_report
+from dflash_train.generate.engine import QUEUE_ROWS_PER_SLOT, build_generator
 from dflash_train.generate.sampling import Sampling, load_generator, resolve_device
 
 THINKING = {"on": True, "off": False, "default": None}
@@ -299,7 +300,8 @@ def run_synth(opts: SynthOptions) -> dict[str, Any]:
     synth_phase(synth, opts, state, files, bar, "heldout", [opts.heldout_per_task] * len(tasks), quotas)
     synth_phase(synth, opts, state, files, bar, "train", quotas, quotas)
     bar.close()
-    return summary(opts, tasks, progress, quotas, start, heldout, time.perf_counter() - t0)
+    result = summary(opts, tasks, progress, quotas, start, heldout, time.perf_counter() - t0)
+    return result | compile_report(synth.generator)
 
 
 def synth_phase(synth, opts, state, files, bar, phase: str, targets: list[int], quotas: list[int]) -> None:

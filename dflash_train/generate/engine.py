@@ -46,6 +46,7 @@ from collections.abc import Callable, Collection, Sequence
 
 import torch
 
+from dflash_train.generate.compiled_step import CompiledStep, default_compile_decode
 from dflash_train.generate.decode_attention import (
     DECODE_ATTENTIONS,
     FLEX_BLOCK,
@@ -140,7 +141,7 @@ class SlotEngine:
                 "own kernel: use decode_attention='grouped' or compile_decode=False"
             )
         self.compile_decode = compile_decode
-        self.step_body = compiled_step(self.forward_and_draw) if compile_decode else self.forward_and_draw
+        self.step_body = CompiledStep(self.forward_and_draw) if compile_decode else self.forward_and_draw
         layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
         self.hybrid = "linear_attention" in layer_types
         self.dtype = next(model.parameters()).dtype
@@ -419,39 +420,6 @@ def prefill_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
 def is_stop(tokens: torch.Tensor, stops: torch.Tensor) -> torch.Tensor:
     """[rows] bool; a broadcast compare rather than ``isin`` (no data-dependent kernels in a graph)."""
     return (tokens[:, None] == stops[None, :]).any(dim=-1)
-
-
-def default_compile_decode(model: torch.nn.Module, device: torch.device, decode_attention: str) -> bool:
-    """Compile the decode step on CUDA for attention-only targets with the grouped attention: on one
-    H200 at SmolLM2-135M's shape it cut the graphed step at 1,024 slots from 9.6 to 5.6 ms (1,536 ->
-    520 kernels; docs/performance.md). Hybrid (GatedDeltaNet) targets keep the eager step until the
-    compiled one is measured on them (``compile_decode=True`` asks for it); on a CPU it is slower."""
-    layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
-    hybrid = "linear_attention" in layer_types
-    return device.type == "cuda" and decode_attention == "grouped" and not hybrid
-
-
-# ``--compile-decode`` of regen and synth: the slot engine's ``compile_decode`` (auto = its default).
-COMPILE_DECODE = {"auto": None, "on": True, "off": False}
-
-
-def compile_decode_choice(value: str) -> bool | None:
-    """``SlotEngine(compile_decode=)`` for a ``--compile-decode`` value (auto, on, off)."""
-    if value not in COMPILE_DECODE:
-        raise ValueError(f"--compile-decode {value!r}: use one of {list(COMPILE_DECODE)}")
-    return COMPILE_DECODE[value]
-
-
-def compiled_step(step_body):
-    """``step_body`` under torch.compile: the decode forward and the draw as fused kernels (RMSNorm,
-    RoPE, SwiGLU, residual adds, the sampling tail), captured into the engine's graphs like the eager
-    step. The attended length is a Python int: the first bucket compiles a static graph, the second
-    a dynamic one that serves every later bucket (dynamo's automatic dynamic shapes), so a call
-    compiles at most twice per sampling setting, during the eager warm-up steps of its first keys."""
-    # Keys differ in bucket, token limit and sampling: keep them all compiled rather than let the
-    # default limit of 8 per code object send later keys back to eager.
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-    return torch.compile(step_body, dynamic=None)
 
 
 def round_up(value: int, multiple: int) -> int:
