@@ -58,7 +58,9 @@ def test_the_generation_mode_reports_the_compiled_steps_compilations(tmp_path, c
     uncompiled, compiled = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"]
     for key in ("warmup_decode_compiles", "decode_compiles", "warmup_decode_compile_s", "decode_compile_s"):
         assert uncompiled[key] == 0
-    assert compiled["status"] == "ok" and compiled["warmup_decode_compiles"] >= 1
+    # one compilation in the warm-up serves the timed run's longer prompts (a grown cache) too
+    assert compiled["status"] == "ok" and compiled["warmup_decode_compiles"] == 1
+    assert compiled["decode_compiles"] == 0 and compiled["decode_compile_s"] == 0.0
     assert 0 < compiled["warmup_decode_compile_s"] <= compiled["warmup_s"]
 
 

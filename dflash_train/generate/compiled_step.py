@@ -1,11 +1,31 @@
 """The slot engine's decode step under torch.compile (``SlotEngine(compile_decode=)``), and its count of
 compilations.
 
-The attended length is a Python int: the first bucket compiles a static graph, the second a dynamic
-one that serves every later bucket (dynamo's automatic dynamic shapes). ``CompiledStep`` counts the
-calls that compiled and the seconds they took (regen, synth and ``bench generation`` report them):
-each compilation runs during the eager warm-up steps of a key, outside the CUDA graphs, and is paid
-again by every new process.
+``CompiledStep`` compiles the engine's forward and draw once per sampling setting: every size that
+differs between calls is a symbol of that one compilation, never a constant compiled again for.
+
+- What varies is a tensor size or value, marked dynamic where the engine allocates it
+  (``SlotEngine.mark_dynamic``): the attended length reaches the step as the size of a view
+  (``kv_index[:kv_length]``, not a Python int: an int compiles as a constant first and again when it
+  changes, dynamo's automatic dynamic shapes); the cache capacity, the generated-token width and
+  the stop-id count as the sizes of the buffers that grow between calls; the token limit as a value
+  (``token_limit``, a 0-d tensor). The slot count and the model's shapes stay constants.
+- Each marked size is its own symbol (no duck shaping): by default sizes equal at the first
+  compilation share a symbol, and the guard that they stay equal fails later (a bucket of 512 and
+  512 new tokens, 2 stop ids and 2 K/V heads), compiling again.
+- The attended part of the cache is never its whole storage (one spare index,
+  ``SlotCache(spare_index=True)``): a slice as long as the storage is contiguous, and the
+  attention's reshape would branch on that (a graph for bucket == capacity, one for the rest).
+- The stop-id buffer has at least 2 entries: a dimension of size 1 is specialised.
+
+``dynamic=True`` would also compile once, but makes every size a symbol (the slot count, the
+hidden sizes): its compilation took 3.7x as long on CPU (docs/performance.md, Generation round 3).
+
+What remains a new compilation: a new sampling setting (temperature and top-p are Python floats,
+specialised: greedy and sampled are different code), another model or slot count. ``CompiledStep``
+counts the calls that compiled and the seconds they took (regen, synth and ``bench generation``
+report them): a compilation runs in the eager warm-up steps of a key, outside the CUDA graphs, and
+every new process pays it again.
 """
 
 from __future__ import annotations
@@ -48,12 +68,13 @@ def compiled_graph_count() -> int:
 class CompiledStep:
     """``step_body`` under torch.compile: the decode forward and the draw as fused kernels (RMSNorm,
     RoPE, SwiGLU, residual adds, the sampling tail), captured into the engine's graphs like the eager
-    step (module docstring). ``num_compiles`` counts the calls
+    step; compiled once per sampling setting (module docstring). ``num_compiles`` counts the calls
     that compiled and ``compile_seconds`` their wall time (the compilation and that one step)."""
 
     def __init__(self, step_body: Callable[..., None]):
-        # Keys differ in bucket, token limit and sampling: keep them all compiled rather than let the
-        # default limit of 8 per code object send later keys back to eager.
+        # A process may hold several settings and engines (bench generation, synth's sampled prompts
+        # and greedy replies): keep them all compiled rather than let the default limit of 8 per code
+        # object send later ones back to the eager step, unnoticed.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self.compiled = torch.compile(step_body, dynamic=None, backend=COMPILE_BACKEND)
         self.num_compiles = 0
@@ -63,7 +84,8 @@ class CompiledStep:
         # Runs in eager warm-up steps and captures only (a replayed graph calls no Python): the
         # counter read and the clock cost nothing per replayed step.
         before, started = compiled_graph_count(), time.perf_counter()
-        self.compiled(*args)
+        with torch.fx.experimental._config.patch(use_duck_shape=False):  # module docstring
+            self.compiled(*args)
         if compiled_graph_count() != before:
             self.num_compiles += 1
             self.compile_seconds += time.perf_counter() - started

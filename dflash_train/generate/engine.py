@@ -13,8 +13,8 @@ takes the next one, so a batch never waits for its longest row: the moment a row
   are each slot's own, K/V are written at each slot's own index, and the decode attention
   (``generate/decode_attention.py``: GQA-native, no copy of the cache) shows slot r the indices <=
   its position. The step reads and writes only preallocated buffers (last tokens, positions, step
-  counts, done/stopped flags, the generated tokens [S, max_new_tokens], the stop ids and step
-  hashes, refilled in place by each call), so on CUDA it is captured as a CUDA graph and replayed,
+  counts, done/stopped flags, the generated tokens [S, max_new_tokens], the stop ids, step hashes
+  and token limit, refilled in place by each call), so on CUDA it is captured as a CUDA graph and replayed,
   also by later calls. The grouped attention attends the first ``kv_length`` cache indices, a
   bucket (multiple of ``kv_bucket``) above every running row's position, which the host knows
   without a sync (one graph per bucket); flex attends each slot's live blocks of the whole
@@ -65,7 +65,7 @@ from dflash_train.generate.sampling import (
     row_uniforms,
     step_keys,
 )
-from dflash_train.generate.slot_cache import SlotCache
+from dflash_train.generate.slot_cache import SlotAttentionLayer, SlotCache
 from dflash_train.generate.step_graphs import GraphRuntime, StepGraphs
 
 # on_rows(num_rows_finished, num_tokens_generated), called as rows finish (progress bars).
@@ -75,6 +75,7 @@ FREE_MEMORY_FRACTION = 0.9  # of the free GPU memory the slot cache may take
 # Callers with many rows (regen, synth) hand the engine this many rows per slot per call: slots
 # freed early are refilled from the rest, and only the call's last rows run in a draining batch.
 QUEUE_ROWS_PER_SLOT = 4
+MIN_STOP_SLOTS = 2  # entries of the stop-id buffer (compiled step: no dimension of size 1)
 
 
 def slot_engine_problem(model: torch.nn.Module) -> str | None:
@@ -171,7 +172,13 @@ class SlotEngine:
         # Everything a captured graph reads is one of these engine buffers, refilled in place by each
         # call (a graph replays the addresses it captured; a call's own tensors would be freed).
         self.hashed_steps = step_keys(0, device)  # [N] the hash of each step index
-        self.stops = torch.full((1,), -1, dtype=torch.long, device=device)  # stop ids, padded with -1
+        # Stop ids padded with -1; never a single entry: the compiled step specialises a dimension of
+        # size 1 and would compile again when a call brings more ids (generate/compiled_step.py).
+        self.stops = torch.full((MIN_STOP_SLOTS,), -1, dtype=torch.long, device=device)
+        self.mark_dynamic(self.stops, 0)
+        # The call's max_new_tokens as a tensor, not an int: read by the step, never compiled into it.
+        self.token_limit = torch.zeros((), dtype=torch.long, device=device)
+        self.kv_index = torch.arange(0, device=device)  # [C] 0..C-1, allocated with the cache
 
     # -- the public call ----------------------------------------------------------------------------
     @torch.no_grad()
@@ -199,9 +206,9 @@ class SlotEngine:
         stop_ids = sorted(stop_ids)
         if len(stop_ids) > self.stops.numel():
             self.graphs.drop()
-            self.stops = torch.full(
-                (1 << (len(stop_ids) - 1).bit_length(),), -1, dtype=torch.long, device=self.device
-            )
+            size = max(MIN_STOP_SLOTS, 1 << (len(stop_ids) - 1).bit_length())
+            self.stops = torch.full((size,), -1, dtype=torch.long, device=self.device)
+            self.mark_dynamic(self.stops, 0)
         self.stops.fill_(-1)
         if stop_ids:
             self.stops[: len(stop_ids)] = torch.as_tensor(stop_ids, dtype=torch.long, device=self.device)
@@ -213,14 +220,29 @@ class SlotEngine:
             self.graphs.drop()
             self.cache = None  # free the old storage before allocating the new
             check_free_memory(prefill, self.num_slots, capacity, self.device)
-            self.cache = SlotCache(prefill, capacity, self.positions)
+            # compiled: one spare index, so the attended part is never the whole storage (compiled_step.py)
+            self.cache = SlotCache(prefill, capacity, self.positions, spare_index=self.compile_decode)
+            self.kv_index = torch.arange(capacity, device=self.device)  # a step attends kv_index[:kv_length]
+            self.mark_dynamic(self.kv_index, 0)
+            for layer in self.cache.layers:
+                if isinstance(layer, SlotAttentionLayer):
+                    self.mark_dynamic(layer.keys, 2)
+                    self.mark_dynamic(layer.values, 2)
             if self.decode_attention == "flex":
                 self.live_mask = LiveBlockMask(self.positions, capacity)
         if self.max_new_tokens < max_new_tokens:
             self.graphs.drop()
             self.generated = torch.zeros(self.num_slots, max_new_tokens, dtype=torch.long, device=self.device)
             self.hashed_steps = step_keys(max_new_tokens, self.device)
+            self.mark_dynamic(self.generated, 1)
+            self.mark_dynamic(self.hashed_steps, 0)
             self.max_new_tokens = max_new_tokens
+
+    def mark_dynamic(self, tensor: torch.Tensor, dim: int) -> None:
+        """Compiled step: ``dim`` of ``tensor`` is a symbol from the first compilation (it differs
+        between calls), not a constant to compile again for (generate/compiled_step.py)."""
+        if self.compile_decode:
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
     # -- one decode step --------------------------------------------------------------------------------
     def step(self, spec: StepSpec) -> None:
@@ -232,41 +254,45 @@ class SlotEngine:
 
     def decode(self, spec: StepSpec) -> None:
         """The step itself: only tensor ops on preallocated buffers (capturable)."""
-        self.cache.set_kv_length(spec.kv_length)
+        assert 0 < spec.kv_length <= self.cache.capacity, (spec.kv_length, self.cache.capacity)
+        # The attended length reaches the step as the size of this view (a symbol when compiled).
+        attended = self.kv_index[: spec.kv_length]
+        self.mark_dynamic(attended, 0)
         with decoding_with(self.model):
-            self.step_body(spec.kv_length, spec.max_new_tokens, spec.sampling)
+            self.step_body(attended, self.token_limit, spec.sampling)
 
-    def forward_and_draw(self, kv_length: int, max_new_tokens: int, sampling: Sampling) -> None:
+    def forward_and_draw(self, attended: torch.Tensor, token_limit: torch.Tensor, sampling: Sampling) -> None:
         """One forward of every slot's token, its draw and the buffers' update (``compile_decode``
-        compiles exactly this)."""
+        compiles exactly this): the cache indices ``attended`` [kv], at most ``token_limit`` tokens."""
+        self.cache.set_kv_length(attended.shape[0])
         out = self.model(
             input_ids=self.tokens[:, None],
             position_ids=self.positions[:, None],
-            attention_mask=self.decode_mask(kv_length),
+            attention_mask=self.decode_mask(attended),
             past_key_values=self.cache,
             use_cache=True,
         )
         running = ~self.done
-        token = self.draw(out.logits[:, -1].float(), self.steps, max_new_tokens, sampling)
-        column = self.steps.clamp(max=max_new_tokens - 1)[:, None]
+        token = self.draw(out.logits[:, -1].float(), self.steps, token_limit, sampling)
+        column = self.steps.clamp(max=token_limit - 1)[:, None]
         kept = self.generated.gather(1, column).squeeze(1)
         self.generated.scatter_(1, column, torch.where(running, token, kept)[:, None])
         hit = running & is_stop(token, self.stops)
         self.stopped |= hit
         self.steps += running.long()
-        self.done |= hit | (self.steps >= max_new_tokens)
+        self.done |= hit | (self.steps >= token_limit)
         self.tokens.copy_(torch.where(running, token, self.tokens))
         self.positions += (~self.done).long()
 
-    def decode_mask(self, kv_length: int):
+    def decode_mask(self, attended: torch.Tensor):
         """What the decode attention reads (slot r sees cache indices <= its position): flex, a
-        BlockMask of each slot's live blocks; grouped, an additive bias [S, 1, 1, kv]. Hybrid models
-        take a mask per layer type (their GatedDeltaNet layers need none in a decode step)."""
+        BlockMask of each slot's live blocks; grouped, an additive bias [S, 1, 1, kv] over the cache
+        indices ``attended`` [kv]. Hybrid models take a mask per layer type (their GatedDeltaNet
+        layers need none in a decode step)."""
         if self.decode_attention == "flex":
             mask = self.live_mask.build()
         else:
-            index = torch.arange(kv_length, device=self.device)
-            hidden = index[None, :] > self.positions[:, None]  # [S, kv]
+            hidden = attended[None, :] > self.positions[:, None]  # [S, kv]
             bias = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device)
             mask = bias.masked_fill(hidden, torch.finfo(self.dtype).min)[:, None, None]
         return {"full_attention": mask, "linear_attention": None} if self.hybrid else mask
@@ -276,8 +302,9 @@ class SlotEngine:
         (one graph for every length); grouped reads the bucket above every running row."""
         return self.cache.capacity if self.decode_attention == "flex" else bucket
 
-    def draw(self, logits, steps, max_new_tokens: int, sampling: Sampling, streams=None) -> torch.Tensor:
-        """Each row's token for its step ``steps`` [rows] from ``logits`` [rows, V]."""
+    def draw(self, logits, steps, max_new_tokens, sampling: Sampling, streams=None) -> torch.Tensor:
+        """Each row's token for its step ``steps`` [rows] from ``logits`` [rows, V] (``max_new_tokens``
+        an int, or the engine's ``token_limit``)."""
         streams = self.streams if streams is None else streams
         hashed = self.hashed_steps[steps.clamp(max=max_new_tokens - 1)]
         return choose_tokens(logits, row_uniforms(streams, hashed), sampling)
@@ -310,6 +337,7 @@ class Run:
         self.pad_id = pad_id
         self.on_rows = on_rows
         self.spec = StepSpec(0, max_new_tokens, engine.stops.numel(), sampling)
+        engine.token_limit.fill_(max_new_tokens)
         self.results: list[Generation | None] = [None] * len(self.prompts)
         self.queue = deque(sorted(range(len(self.prompts)), key=lambda i: -len(self.prompts[i])))
         self.occupant: dict[int, int] = {}  # slot -> row

@@ -4,12 +4,13 @@ The engine (``generate/engine.py``) keeps ``S`` batch slots busy; a slot holds o
 from its admission until it stops, then the next queued prompt takes it over. This cache gives every
 slot fixed storage, allocated once, so a decode step has one shape and can run as a CUDA graph:
 
-- attention layers: K and V of shape [S, Hkv, C, D] (C = capacity in tokens). A slot's row starts at
-  cache index 0 whatever the other slots hold (no padding in the cache), so its token at position p
-  sits at index p. ``update`` writes the step's K/V at each slot's own index (``write_positions``,
-  one device tensor shared by every layer) and returns the first ``kv_length`` indices; the
-  engine's mask shows slot r the indices <= its position only, so stale entries of a slot's
-  previous occupant (and of finished rows still stepping) are never seen.
+- attention layers: K and V of shape [S, Hkv, C, D] (C = capacity in tokens; one index more, never
+  attended, for the compiled step: ``spare_index``). A slot's row starts at cache index 0 whatever
+  the other slots hold (no padding in the cache), so its token at position p sits at index p.
+  ``update`` writes the step's K/V at each slot's own index (``write_positions``, one device tensor
+  shared by every layer) and returns the first ``kv_length`` indices; the engine's mask shows slot
+  r the indices <= its position only, so stale entries of a slot's previous occupant (and of
+  finished rows still stepping) are never seen.
 - GatedDeltaNet layers: transformers' own ``LinearAttentionLayer`` with conv [S, C_conv, K] and
   recurrent [S, H, Dk, Dv] states preallocated and ``has_previous_state`` set, so the layer runs its
   single-token update in place (it already keeps these states at a fixed size).
@@ -33,12 +34,15 @@ class SlotAttentionLayer(CacheLayerMixin):
 
     is_compileable = True
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, write_positions: torch.Tensor):
+    def __init__(
+        self, keys: torch.Tensor, values: torch.Tensor, write_positions: torch.Tensor, capacity: int
+    ):
         super().__init__()
-        self.keys, self.values = keys, values
+        self.keys, self.values = keys, values  # [S, Hkv, >= capacity, D]
         self.write_positions = write_positions  # [S], shared with the cache and the engine
         self.slot_index = torch.arange(keys.shape[0], device=keys.device)
-        self.kv_length = keys.shape[2]  # how many indices a step attends (the engine's bucket)
+        self.capacity = capacity
+        self.kv_length = capacity  # how many indices a step attends (the engine's bucket)
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -58,24 +62,31 @@ class SlotAttentionLayer(CacheLayerMixin):
         raise NotImplementedError("slot rows have different lengths: the engine passes position ids")
 
     def get_max_length(self) -> int:
-        return self.keys.shape[2]
+        return self.capacity
 
 
 class SlotCache(Cache):
     """The per-slot cache of a model, allocated from the layout of a first prefill cache."""
 
-    def __init__(self, prefill: Cache, capacity: int, write_positions: torch.Tensor):
+    def __init__(
+        self, prefill: Cache, capacity: int, write_positions: torch.Tensor, *, spare_index: bool = False
+    ):
         num_slots = write_positions.shape[0]
         self.write_positions = write_positions  # [S] the index each slot's next token is written at
+        # spare_index: K/V storage of capacity + 1 indices, the last never written nor attended, so the
+        # attended part (<= capacity) is never the whole storage: a contiguous slice at
+        # kv_length == capacity would make the compiled step branch, and compile twice
+        # (generate/compiled_step.py).
+        storage = capacity + int(spare_index)
         layers: list = []
         for layer in prefill.layers:
             if type(layer) is DynamicLayer:
-                shape = (num_slots, layer.keys.shape[1], capacity, layer.keys.shape[3])
+                shape = (num_slots, layer.keys.shape[1], storage, layer.keys.shape[3])
                 keys = torch.zeros(shape, dtype=layer.keys.dtype, device=layer.keys.device)
                 values = torch.zeros(
                     (*shape[:3], layer.values.shape[3]), dtype=layer.values.dtype, device=layer.values.device
                 )
-                layers.append(SlotAttentionLayer(keys, values, self.write_positions))
+                layers.append(SlotAttentionLayer(keys, values, self.write_positions, capacity))
             elif type(layer) is LinearAttentionLayer:
                 layers.append(preallocated_linear_layer(layer, num_slots))
             else:
@@ -84,8 +95,9 @@ class SlotCache(Cache):
         self.num_slots, self.capacity = num_slots, capacity
 
     def set_kv_length(self, kv_length: int) -> None:
-        """How many cache indices the next steps attend (<= capacity; every position fed must be below)."""
-        assert 0 < kv_length <= self.capacity, (kv_length, self.capacity)
+        """How many cache indices the next steps attend (<= capacity; every position fed must be
+        below). Set inside the decode step (an int, or the compiled step's symbol): the engine
+        checks the bound before."""
         for layer in self.layers:
             if isinstance(layer, SlotAttentionLayer):
                 layer.kv_length = kv_length
