@@ -396,7 +396,8 @@ def test_compile_decode_reaches_the_slot_engine(
     result = run_regen(opts)
     assert result["compile_decode"] is compiled and result["rows_done"] == 4
     if compiled:
-        assert result["decode_compiles"] >= 1 and 0 < result["decode_compile_s"] <= result["elapsed_s"]
+        # one sampling setting: one compilation serves every turn's call, whatever its prompt lengths
+        assert result["decode_compiles"] == 1 and 0 < result["decode_compile_s"] <= result["elapsed_s"]
     else:
         assert result["decode_compiles"] == 0 and result["decode_compile_s"] == 0.0
 
