@@ -11,15 +11,15 @@ differs between calls is a symbol of that one compilation, never a constant comp
   the stop-id count as the sizes of the buffers that grow between calls; the token limit as a value
   (``token_limit``, a 0-d tensor). The slot count and the model's shapes stay constants.
 - Each marked size is its own symbol (no duck shaping): by default sizes equal at the first
-  compilation share a symbol, and the guard that they stay equal fails later (a bucket of 512 and
-  512 new tokens, 2 stop ids and 2 K/V heads), compiling again.
+  compilation share a symbol, and the guard that they stay equal fails later (a bucket of 512 beside
+  a generated-token buffer of 512), compiling again.
 - The attended part of the cache is never its whole storage (one spare index,
   ``SlotCache(spare_index=True)``): a slice as long as the storage is contiguous, and the
   attention's reshape would branch on that (a graph for bucket == capacity, one for the rest).
 - The stop-id buffer has at least 2 entries: a dimension of size 1 is specialised.
 
-``dynamic=True`` would also compile once, but makes every size a symbol (the slot count, the
-hidden sizes): its compilation took 3.7x as long on CPU (docs/performance.md, Generation round 3).
+``dynamic=True`` would also compile once, but makes every size a symbol (the slot count and every
+buffer size): its compilation took 3.7x as long on CPU (docs/performance.md, Generation round 3).
 
 What remains a new compilation: a new sampling setting (temperature and top-p are Python floats,
 specialised: greedy and sampled are different code), another model or slot count. ``CompiledStep``
