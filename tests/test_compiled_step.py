@@ -2,8 +2,8 @@
 
 regen and synth make many engine calls whose prompts, and so attended-length buckets and cache
 capacity, differ from call to call; synth also alternates token limits, stop ids and sampling. Each
-compilation costs seconds to minutes on a GPU (paid again by every process, inside the rows/s), so a
-step that recompiles for any of them is slower end to end than the eager one. Here a call sequence
+compilation takes seconds or more (paid again by every process, inside the rows/s), so a step that
+recompiles for any of them can be slower end to end than the eager one (docs/performance.md). Here a call sequence
 varies all of these on CPU and the engine's own count of compilations (``SlotEngine.step_body``, the
 figure regen, synth and ``bench generation`` report) must stay at one per sampling setting; every
 call's tokens must be the eager engine's.
