@@ -295,6 +295,8 @@ def heldout_sets(args) -> list[Path]:
 
 
 def train_and_eval(args, status: dict, stages: list[str]) -> None:
+    if "train" not in stages and "eval" not in stages:
+        return  # a synth or regen job: no subsets cut, no training data prepared
     runs = scale_runs(args, status)
     names = [name for name, _ in runs]
     if not runs:

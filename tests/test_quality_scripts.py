@@ -192,3 +192,13 @@ def test_regenerated_rows_come_back_in_xz_parts_that_given_rows_joins(scale, tmp
     given = {}
     scale.given_rows(later, given)
     assert (later.work / "regen.jsonl").read_text() == rows and given["regen"]["done"] == 400
+
+
+def test_a_job_without_train_or_eval_cuts_no_subsets_and_prepares_no_data(scale, tmp_path, monkeypatch):
+    args = scale_args(tmp_path, scales="4")
+    args.work.mkdir()
+    (args.work / "regen.jsonl").write_text("".join(f'{{"row": {i}}}\n' for i in range(6)))
+    monkeypatch.setattr(scale.quality, "prepare_data", lambda args: pytest.fail("prepared data"))
+    status = {"regen": {"done": 6, "total": 6}}
+    scale.train_and_eval(args, status, ["regen"])
+    assert not (args.work / "regen-4.jsonl").exists() and "runs" not in status
