@@ -20,7 +20,9 @@ Under ``--out`` (``$OUT``), rewritten after every stage so that a call cut short
 ``status.json`` (each stage's latest result and where every run is; ``done`` once all is measured),
 gpu_quality's ``summary.json``, ``table.txt`` and ``logs.tar.gz``, and ``synth.tar.gz`` (the prompts,
 held-out files and synth state, split into ``synth.partNN.tar.gz`` past 15 MiB), and once regen is
-done ``regen-rows.partNN.jsonl.xz`` (the rows, for a later lease's ``--regen-rows``). A fresh machine
+done ``regen-rows.partNN.jsonl.xz`` (the rows, for a later lease's ``--regen-rows``), or at the end of a
+job whose budget ran out inside regen ``regen-partial-N.partNN.jsonl.xz`` (its first N rows: the same
+``--prompts`` with those parts as ``--regen-rows`` continue regen where they end). A fresh machine
 continues the synth from that bundle: copy it into a carried folder and pass ``--synth-from DIR``.
 Prompts made earlier skip the synth stage (``--prompts``), and replies regenerated earlier skip
 synth and regen (``--regen-rows``: 33,000 rows are ~15 MB with xz, one carried file).
@@ -73,7 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="append",
         default=[],
         help="training rows regenerated earlier (JSONL, xz or gzip; repeat for the parts of one file "
-        "split in two, joined in order) instead of the synth and regen stages",
+        "split in two, joined in order) instead of the synth and regen stages (with --prompts and fewer "
+        "rows than prompts: regen continues with the prompts they do not answer)",
     )
     p.add_argument("--num-rows", type=int, default=120_000, help="training prompts kept after the filters")
     p.add_argument("--task-file", default="chat-tasks")
@@ -363,6 +366,31 @@ def bundle_rows(args, status: dict, part_bytes: int = PART_BYTES) -> subprocess.
     return subprocess.Popen(["bash", "-c", f"set -o pipefail; {pipeline}"], start_new_session=True)
 
 
+def bundle_partial_rows(args, status: dict, part_bytes: int = PART_BYTES) -> None:
+    """A job whose budget ran out inside regen still brings its rows back: the complete lines of
+    ``regen.jsonl`` (regen appends per batch; a line cut by the kill is left out) as
+    ``regen-partial-N.partNN.jsonl.xz`` under --out. A later lease gives them as ``--regen-rows`` with
+    the same ``--prompts``, and regen continues with the prompts they do not answer."""
+    record, regen = status.get("regen", {}), args.work / "regen.jsonl"
+    if record.get("done", 0) >= record.get("total", 1) or record.get("exhausted") or not regen.exists():
+        return
+    with open(regen, "rb") as f:
+        rows = sum(1 for line in f if line.endswith(b"\n"))
+    if rows == 0:
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    for old in args.out.glob("regen-partial-*"):
+        old.unlink()
+    prefix = args.out / f"regen-partial-{rows}.part"
+    pipeline = (
+        f"head -n {rows} {shlex.quote(str(regen))} | xz -T0 -6 -c | split -b {part_bytes} -d -a 2"
+        f" --additional-suffix=.jsonl.xz - {shlex.quote(str(prefix))}"
+    )
+    subprocess.run(["bash", "-c", f"set -o pipefail; {pipeline}"], check=True)
+    status["regen_partial_rows"] = rows
+    print(f"regen: {rows} rows so far bundled as {prefix.name}NN.jsonl.xz", flush=True)
+
+
 def given_prompts(args, status: dict) -> None:
     """``--prompts``: the training prompts decompressed once into the work folder; the synth stage
     is then done with their count."""
@@ -399,8 +427,25 @@ def given_rows(args, status: dict) -> None:
         regen.with_suffix(".tmp").rename(regen)
         joined.unlink()
     rows = sum(1 for _ in open(regen, "rb"))
-    status["synth"] = {"done": rows, "total": rows, "given": "regenerated rows"}
-    status["regen"] = {"done": rows, "total": rows, "given": [str(p) for p in args.regen_rows]}
+    given = [str(p) for p in args.regen_rows]
+    if args.prompts is None:
+        status["synth"] = {"done": rows, "total": rows, "given": "regenerated rows"}
+        status["regen"] = {"done": rows, "total": rows, "given": given}
+        return
+    # Replies to the first of the given prompts (a lease cut short): regen continues with the rest,
+    # skipping the rows it finds by key; a record from an earlier call of this job keeps its pace.
+    record = status.setdefault("regen", {})
+    record.update(done=max(record.get("done", 0), rows), total=args.num_rows, given=given)
+
+
+def skipped_stages(args, status: dict) -> set[str]:
+    """The stages that given files replace: synth by ``--prompts`` or ``--regen-rows``, regen by
+    ``--regen-rows`` that answer every prompt (with fewer, regen continues where they end)."""
+    skipped = {"synth"} if args.prompts is not None or args.regen_rows else set()
+    regen = status.get("regen", {})
+    if args.regen_rows and regen.get("done", 0) >= regen.get("total", 0):
+        skipped.add("regen")
+    return skipped
 
 
 def restore_synth(args) -> None:
@@ -437,9 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     stages = args.stages.split(",")
     given_prompts(args, status)
     given_rows(args, status)
-    for stage, given in (("synth", args.prompts is not None or args.regen_rows), ("regen", args.regen_rows)):
-        if given and stage in stages:
-            stages.remove(stage)
+    stages = [stage for stage in stages if stage not in skipped_stages(args, status)]
     for stage, run in (("synth", synth_stage), ("regen", regen_stage)):
         if stage in stages:
             run(args, status)
@@ -448,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     train_and_eval(args, status, stages)
     if bundling is not None:
         bundling.wait()
+    if "regen" in stages:
+        bundle_partial_rows(args, status)
     write_status(args, status)
     print(json.dumps({k: status.get(k) for k in ("done", "runs", "evaluated", "elapsed_s")}), flush=True)
     return 0

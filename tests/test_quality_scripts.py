@@ -26,7 +26,14 @@ def scale():
 
 def scale_args(tmp_path, **overrides):
     values = dict(
-        work=tmp_path / "work", out=tmp_path / "out", scales="4,8,20", steps=100, epochs=0, variant=[]
+        work=tmp_path / "work",
+        out=tmp_path / "out",
+        scales="4,8,20",
+        steps=100,
+        epochs=0,
+        variant=[],
+        prompts=None,
+        regen_rows=[],
     )
     return argparse.Namespace(**(values | overrides))
 
@@ -192,6 +199,49 @@ def test_regenerated_rows_come_back_in_xz_parts_that_given_rows_joins(scale, tmp
     given = {}
     scale.given_rows(later, given)
     assert (later.work / "regen.jsonl").read_text() == rows and given["regen"]["done"] == 400
+
+
+def test_a_job_cut_inside_regen_brings_back_its_complete_rows(scale, tmp_path):
+    """The budget ran out inside regen: the complete lines so far come back in xz parts (a line
+    torn by the kill is left out), nothing once regen has every row."""
+    import lzma
+
+    args = scale_args(tmp_path)
+    args.work.mkdir()
+    rows = "".join(json.dumps({"row": i}) + "\n" for i in range(5))
+    (args.work / "regen.jsonl").write_text(rows + '{"row": 5, "te')
+    status = {"regen": {"done": 5, "total": 9}}
+    scale.bundle_partial_rows(args, status, part_bytes=40)
+    parts = sorted(args.out.glob("regen-partial-5.part*.jsonl.xz"))
+    assert len(parts) >= 2 and status["regen_partial_rows"] == 5
+    assert lzma.decompress(b"".join(p.read_bytes() for p in parts)).decode() == rows
+    finished = scale_args(tmp_path / "finished")
+    finished.work.mkdir(parents=True)
+    (finished.work / "regen.jsonl").write_text(rows)
+    scale.bundle_partial_rows(finished, {"regen": {"done": 5, "total": 5}})
+    assert not finished.out.exists()
+
+
+def test_given_rows_for_the_first_prompts_leave_regen_the_rest(scale, tmp_path):
+    """--regen-rows from a lease cut inside regen, with the same --prompts: synth is replaced,
+    regen is not (it continues from the given rows); rows for every prompt replace both."""
+    import lzma
+
+    prompts = tmp_path / "prompts.jsonl.xz"
+    prompts.write_bytes(lzma.compress(b"".join(b'{"row": %d}\n' % i for i in range(7))))
+    given = tmp_path / "rows.jsonl.xz"
+    given.write_bytes(lzma.compress(b"".join(b'{"row": %d, "reply": 1}\n' % i for i in range(4))))
+    args = scale_args(tmp_path, prompts=prompts, regen_rows=[given], num_rows=100)
+    args.work.mkdir()
+    status = {}
+    scale.given_prompts(args, status)
+    scale.given_rows(args, status)
+    assert status["synth"]["done"] == 7 and status["regen"]["done"] == 4 and status["regen"]["total"] == 7
+    assert scale.skipped_stages(args, status) == {"synth"}
+    status["regen"].update(done=7, seconds_per_row=0.5)  # regen finished the rest on an earlier call
+    scale.given_rows(args, status)  # the next call of the same job keeps the record
+    assert status["regen"]["done"] == 7 and status["regen"]["seconds_per_row"] == 0.5
+    assert scale.skipped_stages(args, status) == {"synth", "regen"}
 
 
 def test_a_job_without_train_or_eval_cuts_no_subsets_and_prepares_no_data(scale, tmp_path, monkeypatch):
