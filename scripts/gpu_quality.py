@@ -19,10 +19,11 @@ Data: ``--data DATA_DIR`` with ``regen.jsonl.gz`` (training rows: the target's r
 set, and the first ``--train-prompts`` training rows are a prompt set too, so memorisation (training
 prompts vs held-out) and the anchor-placement gap (random-anchor vs sequential tau) can be told apart.
 
-Everything a call leaves goes to ``--out`` (default ``$OUT`` or ./gpu-logs) as three files, rewritten
-after each stage so that a call cut short still returns them: ``summary.json`` (where each run is, the
-eval reports), ``table.txt`` (the table) and ``logs.tar.gz`` (every train and eval log, each run's
-metrics.jsonl and sittings.jsonl).
+Everything a call leaves goes to ``--out`` (default ``$OUT`` or ./gpu-logs), rewritten after each
+stage so that a call cut short still returns them: ``summary.json`` (where each run is, the eval
+reports), ``table.txt`` (the table), ``logs.tar.gz`` (every train and eval log, each run's
+metrics.jsonl and sittings.jsonl) and each run's newest export as ``export-NAME.partNN.tar`` (parts of
+at most 15 MiB; ``cat export-NAME.part*.tar | tar x``).
 
 Dry run on a CPU (a few minutes, numbers meaningless): ``python3 scripts/gpu_quality.py --dry-run``
 trains the tiny-cpu recipe against ``builtin:demo-target`` on its own regeneration of the hand-written
@@ -419,6 +420,40 @@ def write_results(args: argparse.Namespace, summary: dict, names: list[str], rep
                 if path.exists():
                     tar.add(path, arcname=f"run-{name}/{file}")
     shutil.move(args.out / "logs.tar.gz.tmp", args.out / "logs.tar.gz")
+    bundle_exports(args, names)
+
+
+EXPORT_PART_BYTES = 15 * 2**20  # a call brings back files of at most 16 MiB
+
+
+def bundle_exports(args: argparse.Namespace, names: list[str], part_bytes: int = EXPORT_PART_BYTES) -> None:
+    """Each run's newest export (``export`` once finished, else ``export-partial``) as an uncompressed
+    tar in parts, ``export-NAME.partNN.tar`` under --out, so that the drafter a lease trained outlives
+    the machine: ``cat export-NAME.part*.tar | tar x`` gives ``export-NAME/`` (for eval, serve-check,
+    llama.cpp). Rewritten only when the export changed (``export-NAME.stamp``: its files, sizes and
+    modification times)."""
+    for name in names:
+        run = args.work / f"run-{name}"
+        export = next(
+            (run / d for d in ("export", "export-partial") if (run / d / "config.json").exists()), None
+        )
+        if export is None:
+            continue
+        files = sorted(p for p in export.rglob("*") if p.is_file())
+        stamp = "\n".join(f"{p.relative_to(export)} {p.stat().st_size} {p.stat().st_mtime_ns}" for p in files)
+        stamp_file = args.out / f"export-{name}.stamp"
+        if stamp_file.exists() and stamp_file.read_text() == f"{export.name}\n{stamp}":
+            continue
+        whole = args.work / f"export-{name}.tar"
+        with tarfile.open(whole, "w") as tar:
+            tar.add(export, arcname=f"export-{name}")
+        data = whole.read_bytes()
+        whole.unlink()
+        for old in args.out.glob(f"export-{name}.part*.tar"):
+            old.unlink()
+        for i in range(0, len(data), part_bytes):
+            (args.out / f"export-{name}.part{i // part_bytes:02d}.tar").write_bytes(data[i : i + part_bytes])
+        stamp_file.write_text(f"{export.name}\n{stamp}")
 
 
 def parse_runs(specs: list[str]) -> list[tuple[str, list[str]]]:

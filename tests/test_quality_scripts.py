@@ -252,3 +252,77 @@ def test_a_job_without_train_or_eval_cuts_no_subsets_and_prepares_no_data(scale,
     status = {"regen": {"done": 6, "total": 6}}
     scale.train_and_eval(args, status, ["regen"])
     assert not (args.work / "regen-4.jsonl").exists() and "runs" not in status
+
+
+def test_a_runs_export_comes_back_in_tar_parts_once_per_change(scale, tmp_path):
+    """The drafter a lease trained outlives the machine: its export comes back as tar parts (each
+    under the limit of a call's files) that rebuild it byte for byte, rewritten only when it changed."""
+    import os
+    import random
+    import subprocess
+
+    quality = sys.modules["gpu_quality"]
+    args = scale_args(tmp_path)
+    export = args.work / "run-d2" / "export"
+    export.mkdir(parents=True)
+    (export / "config.json").write_text('{"architectures": ["DFlashDraftModel"]}')
+    (export / "model.safetensors").write_bytes(random.Random(0).randbytes(100_000))
+    (args.work / "run-none").mkdir()  # a run with no export yet: nothing to bring back
+    args.out.mkdir()
+    quality.bundle_exports(args, ["d2", "none"], part_bytes=30_000)
+    parts = sorted(args.out.glob("export-d2.part*.tar"))
+    assert len(parts) >= 4 and all(p.stat().st_size <= 30_000 for p in parts)
+    assert not list(args.out.glob("export-none*"))
+    back = tmp_path / "back"
+    back.mkdir()
+    (back / "whole.tar").write_bytes(b"".join(p.read_bytes() for p in parts))
+    subprocess.run(["tar", "xf", "whole.tar"], cwd=back, check=True)
+    for name in ("config.json", "model.safetensors"):
+        assert (back / "export-d2" / name).read_bytes() == (export / name).read_bytes()
+
+    os.utime(parts[0], ns=(1, 1))  # an unchanged export is not written again
+    quality.bundle_exports(args, ["d2"], part_bytes=30_000)
+    assert parts[0].stat().st_mtime_ns == 1
+    (export / "model.safetensors").write_bytes(random.Random(1).randbytes(10_000))  # a later sitting's export
+    quality.bundle_exports(args, ["d2"], part_bytes=30_000)
+    assert [p.name for p in sorted(args.out.glob("export-d2.part*.tar"))] == ["export-d2.part00.tar"]
+
+
+def test_bring_back_fits_a_calls_files_and_sends_each_version_once(tmp_path):
+    """scripts/gpu_bring_back.sh: the small results every call, the rest once each within 8 files a
+    call, oldest first; rows only once they are whole; a file rewritten later comes back again."""
+    import os
+    import subprocess
+
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "status.json").write_text("{}")
+    (job / "regen-rows.part00.jsonl.xz").write_bytes(b"r" * 10)  # no regen-rows.complete yet
+    for i in range(9):
+        part = job / f"export-d2.part{i:02d}.tar"
+        part.write_bytes(b"x" * 100)
+        os.utime(part, (1000 + i, 1000 + i))
+
+    def call() -> list[str]:
+        out = tmp_path / f"out{len(list(tmp_path.glob('out*')))}"
+        out.mkdir()
+        env = {**os.environ, "OUT": str(out)}
+        subprocess.run(
+            ["bash", str(SCRIPTS / "gpu_bring_back.sh"), str(job)], env=env, check=True, capture_output=True
+        )
+        return sorted(p.name for p in out.iterdir())
+
+    first = call()
+    assert len(first) == 8 and "status.json" in first and "export-d2.part06.tar" in first
+    assert "regen-rows.part00.jsonl.xz" not in first and "export-d2.part07.tar" not in first
+    (job / "regen-rows.complete").touch()
+    second = call()
+    assert second == [
+        "export-d2.part07.tar",
+        "export-d2.part08.tar",
+        "regen-rows.part00.jsonl.xz",
+        "status.json",
+    ]
+    assert call() == ["status.json"]
+    (job / "export-d2.part00.tar").write_bytes(b"y" * 50)  # a later export
+    assert call() == ["export-d2.part00.tar", "status.json"]
