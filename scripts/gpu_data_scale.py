@@ -22,8 +22,9 @@ gpu_quality's ``summary.json``, ``table.txt`` and ``logs.tar.gz``, and ``synth.t
 held-out files and synth state, split into ``synth.partNN.tar.gz`` past 15 MiB), and once regen is
 done ``regen-rows.partNN.jsonl.xz`` (the rows, for a later lease's ``--regen-rows``), or at the end of a
 job whose budget ran out inside regen ``regen-partial-N.partNN.jsonl.xz`` (its first N rows: the same
-``--prompts`` with those parts as ``--regen-rows`` continue regen where they end). A fresh machine
-continues the synth from that bundle: copy it into a carried folder and pass ``--synth-from DIR``.
+``--prompts`` with those parts as ``--regen-rows`` continue regen where they end), and each run's
+newest export as ``export-NAME.partNN.tar`` (``scripts/gpu_bring_back.sh`` brings all of it back
+within a call's 8 files). A fresh machine continues the synth from that bundle: copy it into a carried folder and pass ``--synth-from DIR``.
 Prompts made earlier skip the synth stage (``--prompts``), and replies regenerated earlier skip
 synth and regen (``--regen-rows``: 33,000 rows are ~15 MB with xz, one carried file).
 
