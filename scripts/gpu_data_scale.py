@@ -121,13 +121,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--eval-batch-size", type=int, default=128)
     p.add_argument("--eval-args", default="--baseline ngram --ddtree-budget 32")
+    p.add_argument(
+        "--eval-unfinished",
+        action="store_true",
+        help="also evaluate a run its training budget cut short, at its newest checkpoint (a detached "
+        "job that must end measured; without it only finished runs are evaluated)",
+    )
     p.add_argument("--dry-run", action="store_true", help="CPU wiring check (see the header)")
     args = p.parse_args(argv)
     if args.dry_run:
         dry_run_defaults(args)
     if not args.target:
         p.error("--target is required, unless --dry-run")
-    args.started, args.eval_unfinished, args.max_rows = time.monotonic(), False, 0
+    args.started, args.max_rows = time.monotonic(), 0
     args.extra_heldout = list(args.heldout)
     return args
 
@@ -311,8 +317,8 @@ def train_and_eval(args, status: dict, stages: list[str]) -> None:
     files = quality.prepare_data(args)
     summary = {"runs": {n: " ".join(o) for n, o in runs}}
     if "train" in stages:
-        # The job ends measured: its last sitting leaves the eval's time (a run cut short is
-        # evaluated at its last checkpoint).
+        # Its last sitting leaves the eval's time; with --eval-unfinished a run cut short is
+        # evaluated at its newest checkpoint, so the job ends measured.
         reserve = args.eval_seconds + 10 if "eval" in stages else 0.0
         summary["train_exit_codes"] = quality.train_sitting(args, runs, files, reserve_s=reserve)
         quality.write_results(args, summary, names, {})

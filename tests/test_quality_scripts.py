@@ -326,3 +326,10 @@ def test_bring_back_fits_a_calls_files_and_sends_each_version_once(tmp_path):
     assert call() == ["status.json"]
     (job / "export-d2.part00.tar").write_bytes(b"y" * 50)  # a later export
     assert call() == ["export-d2.part00.tar", "status.json"]
+
+
+def test_a_data_scale_job_evaluates_unfinished_runs_only_when_asked(scale):
+    """A detached job is one invocation: with --eval-unfinished a run its budget cut short is
+    evaluated at its newest checkpoint (gpu_quality.export_dir), else only finished runs are."""
+    assert scale.parse_args(["--target", "t"]).eval_unfinished is False
+    assert scale.parse_args(["--target", "t", "--eval-unfinished"]).eval_unfinished is True
