@@ -315,13 +315,18 @@ def barrier(run: Run) -> None:
 
 
 def maybe_resume(run: Run) -> None:
-    """``resume: auto`` continues from the newest committed checkpoint of output_dir."""
+    """``resume: auto`` continues from the newest committed checkpoint of output_dir; ``never``
+    starts fresh, setting aside the checkpoints an earlier run left there."""
     mode = run.cfg.checkpoint.resume
     path = (
         None
         if mode == "never"
         else (ckpt.latest_checkpoint(run.cfg.output_dir) if mode == "auto" else Path(mode))
     )
+    if mode == "never":
+        # Left in place, an earlier run's later steps would outrank this run's: keep_last would prune
+        # each new checkpoint as it commits, and a later ``resume: auto`` would continue the old run.
+        set_aside_abandoned(run, None, 0)
     if path is None:
         return
     loaded = ckpt.load_checkpoint(path)
@@ -353,9 +358,10 @@ def maybe_resume(run: Run) -> None:
     log_main(f"resumed from {path} at step {run.step}")
 
 
-def set_aside_abandoned(run: Run, path: Path, step: int) -> None:
-    """A resume from a named checkpoint abandons the output_dir's later ones: rank 0 moves them
-    aside (``ckpt.set_aside_abandoned``) and says so; every rank fails together if it cannot."""
+def set_aside_abandoned(run: Run, path: Path | None, step: int) -> None:
+    """A resume from a named checkpoint abandons the output_dir's later ones, and a fresh start
+    (``path`` None, ``step`` 0) every one: rank 0 moves them aside (``ckpt.set_aside_abandoned``)
+    and says so; every rank fails together if it cannot."""
     moved, aside, error = [], None, None
     if run.info.is_main:
         try:
@@ -364,11 +370,16 @@ def set_aside_abandoned(run: Run, path: Path, step: int) -> None:
             error = err
     if any_rank_flags([error is not None], run.info.device, group=run.group)[0]:
         raise RuntimeError(
-            f"checkpoint.resume={path}: could not move the later checkpoints of {run.cfg.output_dir} "
+            f"checkpoint.resume={path or 'never'}: could not move the later checkpoints of {run.cfg.output_dir} "
             f"aside ({error or 'see rank 0'}); move them out of {ckpt.checkpoints_root(run.cfg.output_dir)} "
             "yourself or resume into a new output_dir."
         ) from error
-    if moved:
+    if moved and path is None:
+        log_main(
+            f"checkpoint.resume=never: set aside the earlier run's checkpoints {', '.join(moved)} in "
+            f"{aside}, so checkpoint.keep_last and a later resume: auto cannot pick them"
+        )
+    elif moved:
         log_main(
             f"checkpoint.resume={path} (step {step}): moved the abandoned run's later checkpoints "
             f"{', '.join(moved)} to {aside}, so checkpoint.keep_last and a later resume: auto cannot pick them"
