@@ -169,3 +169,36 @@ def test_ranks_that_read_different_copies_of_a_file_are_stopped_before_training(
         "from rank 0's: contents (sha256 of the whole file) differ"
     ), outcomes[0]
     assert not (out / "checkpoints").exists()
+
+
+def missing_copy_worker(rank: int, port: int, task: dict, out_dir: str) -> None:
+    """Rank 1 cannot read the data file (a node without it); every rank writes how it ended."""
+    become_rank(rank, 2, port)
+    from dflash_train.data import loader
+
+    if rank == 1:
+
+        def no_file(cfg, tokenizer, **kwargs):
+            raise FileNotFoundError(f"{cfg.paths[0]}: no such file on this node")
+
+        loader.load_or_build = no_file
+    try:
+        outcome = f"trained {train(tiny_config(task, out_dir, 'train.parallel=ddp'))['step']} steps"
+    except Exception as err:  # the outcome of each rank, whatever it is, is what the test compares
+        outcome = f"{type(err).__name__}: {err}"
+    Path(out_dir, f"rank{rank}.txt").write_text(outcome)
+
+
+def test_a_rank_that_cannot_read_the_data_stops_every_rank_with_its_error(own_data, tmp_path):
+    """Rank 1 fails to load the data that rank 0 tokenized: every rank raises the same ValueError
+    naming rank 1 and its error before the first step, instead of rank 0 waiting in the data check's
+    gather for a rank that already left."""
+    out = tmp_path / "run"
+    out.mkdir()
+    spawn_ranks(missing_copy_worker, (free_port(), own_data, str(out)), nprocs=2, timeout_s=150)
+    outcomes = [(out / f"rank{r}.txt").read_text() for r in range(2)]
+    assert outcomes[0] == outcomes[1], outcomes
+    assert outcomes[0].startswith(
+        f"ValueError: rank 1 could not read the data: FileNotFoundError: {own_data['data']}: no such file"
+    ), outcomes[0]
+    assert not (out / "checkpoints").exists()

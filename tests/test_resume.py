@@ -256,3 +256,26 @@ def test_changed_data_paths_resume_with_a_warning(task, four_step_run, tmp_path)
     with pytest.warns(UserWarning, match=r"changed data.paths"):
         result = resume_copy(task, four_step_run, tmp_path, f"data.paths=[{moved}]")
     assert result["step"] == 4
+
+
+def test_a_fresh_start_sets_the_earlier_runs_checkpoints_aside(task, tmp_path, capsys):
+    """``resume: never`` into an output_dir holding an earlier run's steps 8 and 12: the new run is
+    stopped at step 6, its steps 4 and 6 are kept (keep_last would have pruned them under the old,
+    later steps) and ``resume: auto`` continues the new run, not the earlier run's step 12."""
+    out = tmp_path / "run"
+    train(tiny_config(task, out))
+    assert [p.name for p in ckpt.committed_checkpoints(out)] == ["step-00000008", "step-00000012"]
+    capsys.readouterr()
+
+    def sigterm_during_step_6(run):
+        if run.step == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    hooks = TrainHooks(after_backward=sigterm_during_step_6)
+    assert train(tiny_config(task, out, "checkpoint.resume=never"), hooks)["step"] == 6
+    log = capsys.readouterr().out
+    assert [p.name for p in ckpt.committed_checkpoints(out)] == ["step-00000004", "step-00000006"]
+    assert "set aside the earlier run's checkpoints step-00000008, step-00000012 in" in log
+    executed = []
+    train(tiny_config(task, out), step_recorder(executed))
+    assert executed == list(range(7, 13))

@@ -72,3 +72,34 @@ def test_nan_on_one_rank_stops_both_before_the_step(task, tmp_path):
     for o in outcomes:
         assert "stopped before the optimizer step" in o["error"], o
         assert o["params_unchanged"] and o["step"] == 2
+
+
+def export_fails_worker(rank: int, port: int, task: dict, out_dir: str) -> None:
+    """Rank 0's write of the final export fails (a full disk); every rank writes how it ended."""
+    become_rank(rank, 2, port)
+    from dflash_train.models import export
+    from dflash_train.train.trainer import train
+
+    if rank == 0:
+
+        def full_disk(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        export.save_drafter = full_disk
+    extra = ["train.parallel=ddp", "train.max_steps=2"]
+    try:
+        outcome = f"trained {train(tiny_config(task, out_dir, *extra))['step']} steps"
+    except Exception as err:  # the outcome of each rank, whatever it is, is what the test compares
+        outcome = f"{type(err).__name__}: {err}"
+    Path(out_dir, f"rank{rank}.txt").write_text(outcome)
+
+
+def test_a_failed_export_stops_every_rank_with_its_error(task, tmp_path):
+    """Rank 0 cannot write the final export: every rank raises the same error naming it (the last
+    checkpoint is committed), instead of the other ranks waiting at the export's barrier."""
+    out = tmp_path / "run"
+    out.mkdir()
+    spawn_ranks(export_fails_worker, (free_port(), task, str(out)), nprocs=2, timeout_s=150)
+    outcomes = [(out / f"rank{r}.txt").read_text() for r in range(2)]
+    assert outcomes[0] == outcomes[1], outcomes
+    assert outcomes[0].startswith("RuntimeError: writing the export of step 2 failed on rank 0: OSError:")

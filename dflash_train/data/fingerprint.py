@@ -88,23 +88,44 @@ def fingerprint_changes(
 
 
 def check_every_rank_reads_the_same_data(
-    local: list[dict[str, Any]] | None, source: list[dict[str, Any]]
+    local: list[dict[str, Any]] | None, source: list[dict[str, Any]], failure: BaseException | None = None
 ) -> None:
     """Every rank of the job (a collective): refuse to train when this rank's data files are not rank
     0's (``source``). Each rank loads its own token cache from the files it sees, so a node with
     another copy of a file (node-local data, an old sync) would train on other rows, or on another
     number of steps per epoch and leave its peers waiting in a collective. ``local``: this rank's
     fingerprints, None on a rank that reads no data (split placement's drafter ranks). Every rank
-    raises the same ``ValueError``, naming the ranks and files."""
+    raises the same ``ValueError``, naming the ranks and files.
+
+    ``failure``: this rank's error loading its copy of the data (``local`` is then ignored). It is
+    gathered too, so every rank raises it (a ``ValueError`` for bad data or a missing file, a
+    ``RuntimeError`` otherwise, as ``data.loader.tokenize_and_broadcast``) instead of the others
+    waiting here for a rank that left."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if failure is not None:
+            raise failure
         return
-    mine = [] if local is None else fingerprint_changes(
-        source, local, changed="differs from rank 0's", reference_name="rank 0", current_name="here"
-    )  # fmt: skip
-    gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    if failure is not None:  # a dict among the lists of differences
+        mine: Any = {
+            "error": f"{type(failure).__name__}: {failure}",
+            "user": isinstance(failure, ValueError | OSError),
+        }
+    else:
+        mine = [] if local is None else fingerprint_changes(
+            source, local, changed="differs from rank 0's", reference_name="rank 0", current_name="here"
+        )  # fmt: skip
+    gathered: list[Any] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, mine)
+    failed = [(rank, found) for rank, found in enumerate(gathered) if isinstance(found, dict)]
+    if failed:
+        kind = ValueError if all(found["user"] for _, found in failed) else RuntimeError
+        errors = "; ".join(f"rank {rank} could not read the data: {found['error']}" for rank, found in failed)
+        raise kind(
+            f"{errors}. Every rank loads data.paths itself: make the files readable on every node, or put "
+            "them on a shared file system."
+        ) from failure
     problems = [f"rank {rank}: {difference}" for rank, found in enumerate(gathered) for difference in found]
     if problems:
         raise ValueError(

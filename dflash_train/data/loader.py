@@ -359,16 +359,20 @@ def load_tokenized(
     fingerprints of the data files: one verdict on whether they changed since a checkpoint; every
     rank's own must match them (``check_every_rank_reads_the_same_data``).
 
-    A node without a shared cache directory simply tokenizes again (same key, same result).
+    A node without a shared cache directory simply tokenizes again (same key, same result); a rank
+    that fails to load its copy stops every rank with its error.
     """
     tokenized, fingerprints = tokenize_and_broadcast(
         cfg, tokenizer, is_source=rank == 0, describe=data_fingerprint
     )
-    local = fingerprints
+    local, failure = fingerprints, None
     if tokenized is None:
-        tokenized = load_or_build(cfg, tokenizer)
-        local = data_fingerprint(tokenized)
-    check_every_rank_reads_the_same_data(local, fingerprints)
+        try:
+            tokenized = load_or_build(cfg, tokenizer)
+            local = data_fingerprint(tokenized)
+        except Exception as err:  # recovery boundary: the check below makes every rank raise it
+            failure = err
+    check_every_rank_reads_the_same_data(local, fingerprints, failure)
     return tokenized, fingerprints
 
 

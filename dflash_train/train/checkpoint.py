@@ -81,16 +81,17 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 
 def set_aside_abandoned(
-    output_dir: str | Path, resumed: str | Path, step: int
+    output_dir: str | Path, resumed: str | Path | None, step: int
 ) -> tuple[list[str], Path | None]:
     """Rank 0, on a resume from ``resumed`` (step ``step``) named by path: move output_dir's committed
     checkpoints of later steps (and of the same step, unless it is ``resumed``) into
     ``checkpoints/abandoned-<time>/``. They belong to the run that was abandoned; left in place,
     ``keep_last`` would keep them over the new run's and ``resume: auto`` would jump back onto them.
+    A fresh start (``resumed`` None, ``step`` 0) abandons every committed checkpoint.
 
     Returns the names moved and the folder they are in (None when nothing was moved).
     """
-    resumed = Path(resumed).resolve()
+    resumed = None if resumed is None else Path(resumed).resolve()
     later = [
         p
         for p in committed_checkpoints(output_dir)

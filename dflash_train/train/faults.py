@@ -6,7 +6,8 @@
 - ``Watchdog`` dumps every thread's stack when no step has started for ``timeout_s`` seconds, to
   find out where a hung collective or kernel is waiting. It only observes; it never kills.
 - ``any_rank_true`` / ``any_rank_flags``: the one way a control-flow decision is made (stop, skip,
-  save, non-finite loss), so no rank branches alone.
+  save, non-finite loss), so no rank branches alone; ``any_rank_error``: the same for an error of
+  work some ranks do alone (rank 0 writing a file).
 """
 
 from __future__ import annotations
@@ -152,6 +153,21 @@ def any_rank_flags(flags: Sequence[bool], device: torch.device | str, group=None
     dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=group)
     # Host sync on purpose: the result decides which branch every rank takes.
     return [bool(v) for v in votes.tolist()]
+
+
+def any_rank_error(error: BaseException | None, group=None) -> str | None:
+    """Every rank of ``group`` (None: all ranks), after work that may have failed on some of them:
+    the first failed rank's error as ``Type: message``, None when none failed (also a barrier).
+
+    For work only some ranks do (rank 0 writing a file): a rank that raised alone would leave the
+    others waiting in their next collective; with this, every rank raises together.
+    """
+    message = None if error is None else f"{type(error).__name__}: {error}"
+    if not (dist.is_available() and dist.is_initialized()):
+        return message
+    found: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(found, message, group=group)
+    return next((m for m in found if m is not None), None)
 
 
 def any_rank_true(flag: bool, device: torch.device | str) -> bool:

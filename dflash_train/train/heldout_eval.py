@@ -21,7 +21,7 @@ export holds): under DDP the copy is filled from the rank's own replica, under F
 state that every rank gathers together. Nothing inside the evaluation is a collective, so ranks with
 more or fewer prompts cannot mismatch; the per-prompt results are then all-gathered, every rank
 computes the same metrics and the same best-so-far decision, rank 0 writes ``export-best`` and all
-ranks meet at a barrier.
+ranks meet to learn whether it was written (a failure stops every rank with rank 0's error).
 
 The training run is left as it was: the copy is built inside a forked RNG (CPU, CUDA and Python
 ``random``), so the losses after an evaluation are those of a run without it and resume stays
@@ -46,6 +46,7 @@ import torch.distributed as dist
 from dflash_train.eval.diagnosis import BlockStats, summarize_diagnosis
 from dflash_train.eval.speculative import Generation
 from dflash_train.eval.summary import summarize_rounds
+from dflash_train.train.faults import any_rank_error
 from dflash_train.train.logging import log_main
 from dflash_train.train.parallel import unwrap, uses_fsdp
 
@@ -170,13 +171,16 @@ def evaluate(run, heldout: HeldoutEval) -> dict[str, Any]:
         metrics.update(combined)
     metrics.update(diagnosis_metrics([item[-1] for item in ordered], file_of, heldout.names, block_size))
     tau = metrics[cfg.best_metric()]
+    error = None
     if tau > heldout.best_tau:  # the same numbers on every rank: the same decision
         heldout.best_tau = tau
         if run.info.is_main:
-            write_export_best(run, drafter, {"step": run.step, **metrics})
+            try:
+                write_export_best(run, drafter, {"step": run.step, **metrics})
+            except Exception as err:  # recovery boundary: every rank learns of it just below
+                error = err
     del drafter
-    if run.info.distributed:
-        dist.barrier(group=run.group)  # no rank runs ahead while rank 0 writes export-best
+    share_export_best_outcome(run, error)  # no rank runs ahead while rank 0 writes export-best
     metrics["eval_tau_best"] = heldout.best_tau
     metrics.update(heldout.pending)
     heldout.pending = {}
@@ -185,6 +189,18 @@ def evaluate(run, heldout: HeldoutEval) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- pieces
+
+
+def share_export_best_outcome(run, error: BaseException | None) -> None:
+    """Every rank of the run's group, once rank 0 wrote ``export-best`` (or had nothing to write): the
+    barrier after it, and its outcome. A failure (``error``, rank 0's) raises the same one-line
+    ``RuntimeError`` on every rank, so no rank waits at a barrier that rank 0 left by raising."""
+    message = any_rank_error(error, group=run.group)
+    if message is not None:
+        raise RuntimeError(
+            f"eval: writing export-best of step {run.step} failed on rank 0: {message}; free space in "
+            f"{run.cfg.output_dir} (or fix what the error names) and run the same command again to resume"
+        ) from error
 
 
 def group_rank_and_size(run) -> tuple[int, int]:

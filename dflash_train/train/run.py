@@ -29,7 +29,7 @@ from dflash_train.train import checkpoint as ckpt
 from dflash_train.train import checkpoint_space as space
 from dflash_train.train import resume_check
 from dflash_train.train.builders import build_scheduler
-from dflash_train.train.faults import any_rank_flags
+from dflash_train.train.faults import any_rank_error, any_rank_flags
 from dflash_train.train.logging import MetricsLogger, log_main
 from dflash_train.train.parallel import DistInfo, full_model_state, unwrap
 
@@ -308,20 +308,19 @@ def warn_if_no_space(run: Run) -> None:
         warnings.warn(warning, stacklevel=2)
 
 
-def barrier(run: Run) -> None:
-    """Wait for every rank of the run's group."""
-    if run.info.distributed:
-        dist.barrier(group=run.group)
-
-
 def maybe_resume(run: Run) -> None:
-    """``resume: auto`` continues from the newest committed checkpoint of output_dir."""
+    """``resume: auto`` continues from the newest committed checkpoint of output_dir; ``never``
+    starts fresh, setting aside the checkpoints an earlier run left there."""
     mode = run.cfg.checkpoint.resume
     path = (
         None
         if mode == "never"
         else (ckpt.latest_checkpoint(run.cfg.output_dir) if mode == "auto" else Path(mode))
     )
+    if mode == "never":
+        # Left in place, an earlier run's later steps would outrank this run's: keep_last would prune
+        # each new checkpoint as it commits, and a later ``resume: auto`` would continue the old run.
+        set_aside_abandoned(run, None, 0)
     if path is None:
         return
     loaded = ckpt.load_checkpoint(path)
@@ -353,9 +352,10 @@ def maybe_resume(run: Run) -> None:
     log_main(f"resumed from {path} at step {run.step}")
 
 
-def set_aside_abandoned(run: Run, path: Path, step: int) -> None:
-    """A resume from a named checkpoint abandons the output_dir's later ones: rank 0 moves them
-    aside (``ckpt.set_aside_abandoned``) and says so; every rank fails together if it cannot."""
+def set_aside_abandoned(run: Run, path: Path | None, step: int) -> None:
+    """A resume from a named checkpoint abandons the output_dir's later ones, and a fresh start
+    (``path`` None, ``step`` 0) every one: rank 0 moves them aside (``ckpt.set_aside_abandoned``)
+    and says so; every rank fails together if it cannot."""
     moved, aside, error = [], None, None
     if run.info.is_main:
         try:
@@ -364,11 +364,16 @@ def set_aside_abandoned(run: Run, path: Path, step: int) -> None:
             error = err
     if any_rank_flags([error is not None], run.info.device, group=run.group)[0]:
         raise RuntimeError(
-            f"checkpoint.resume={path}: could not move the later checkpoints of {run.cfg.output_dir} "
+            f"checkpoint.resume={path or 'never'}: could not move the later checkpoints of {run.cfg.output_dir} "
             f"aside ({error or 'see rank 0'}); move them out of {ckpt.checkpoints_root(run.cfg.output_dir)} "
             "yourself or resume into a new output_dir."
         ) from error
-    if moved:
+    if moved and path is None:
+        log_main(
+            f"checkpoint.resume=never: set aside the earlier run's checkpoints {', '.join(moved)} in "
+            f"{aside}, so checkpoint.keep_last and a later resume: auto cannot pick them"
+        )
+    elif moved:
         log_main(
             f"checkpoint.resume={path} (step {step}): moved the abandoned run's later checkpoints "
             f"{', '.join(moved)} to {aside}, so checkpoint.keep_last and a later resume: auto cannot pick them"
@@ -441,22 +446,31 @@ def check_same_epoch(run: Run, saved_world: int, saved_steps: int, saved_recipe:
 
 
 def export_final(run: Run) -> Path:
-    """Write the trained drafter in the serving layout to ``output_dir/export`` (the group's rank 0)."""
+    """Write the trained drafter in the serving layout to ``output_dir/export`` (the group's rank 0).
+
+    A write that fails (a full disk) raises the same ``RuntimeError`` on every rank of the group,
+    which would otherwise wait for rank 0 at the barrier after it; the last checkpoint is committed,
+    so the same command writes the export once the cause is fixed."""
+    state = full_model_state(run.model, group=run.group)
+    out = Path(run.cfg.output_dir) / "export"
+    error = attempt(lambda: write_export(run, state, out)) if run.info.is_main else None
+    message = any_rank_error(error, group=run.group)  # also the barrier: rank 0 has written it
+    if message is not None:
+        raise RuntimeError(
+            f"writing the export of step {run.step} failed on rank 0: {message}; the checkpoint of step "
+            f"{run.step} is committed: fix the cause (free space in {out.parent}) and run the same command "
+            "again to write the export"
+        ) from error
+    return out
+
+
+def write_export(run: Run, state: dict[str, Any], out: Path) -> None:
+    """Rank 0: the full drafter ``state`` in the serving layout at ``out``."""
     from dflash_train.models.drafter import DFlashDrafter
     from dflash_train.models.export import save_drafter
 
-    state = full_model_state(run.model, group=run.group)
-    out = Path(run.cfg.output_dir) / "export"
-    if run.info.is_main:
-        drafter = DFlashDrafter(run.draft_config)
-        drafter.load_state_dict(state)
-        save_drafter(
-            drafter,
-            run.draft_config,
-            out,
-            dtype=run.cfg.train.dtype,
-            target=run.cfg.target.path,
-            announce=True,
-        )
-    barrier(run)
-    return out
+    drafter = DFlashDrafter(run.draft_config)
+    drafter.load_state_dict(state)
+    save_drafter(
+        drafter, run.draft_config, out, dtype=run.cfg.train.dtype, target=run.cfg.target.path, announce=True
+    )

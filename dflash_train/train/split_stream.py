@@ -260,10 +260,14 @@ def share_data_info(cfg: RunConfig, layout: SplitLayout, target) -> dict[str, An
         cfg.data, target.tokenizer, is_source=layout.rank == 0, describe=describe
     )
     local = shared["file_fingerprints"] if tokenized is not None else None  # target rank 0: the source
+    failure = None
     if layout.is_target and tokenized is None:
-        tokenized = load_or_build(cfg.data, target.tokenizer)
-        local = data_fingerprint(tokenized)
-    check_every_rank_reads_the_same_data(local, shared["file_fingerprints"])  # drafter ranks read none
+        try:
+            tokenized = load_or_build(cfg.data, target.tokenizer)
+            local = data_fingerprint(tokenized)
+        except Exception as err:  # recovery boundary: the check below makes every rank raise it
+            failure = err
+    check_every_rank_reads_the_same_data(local, shared["file_fingerprints"], failure)  # drafters read none
     return {**shared, "tokenized": tokenized}
 
 
