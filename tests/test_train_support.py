@@ -329,3 +329,34 @@ def test_log_main_prints_only_on_the_logging_rank(monkeypatch, capsys):
         train_logging.set_main_rank(previous)
     out = capsys.readouterr().out
     assert "now the logging rank" in out and "default logging rank 0" not in out
+
+
+def test_a_failed_metrics_write_keeps_the_rows_and_never_stops_rank_0_alone(tmp_path, capsys):
+    """A full disk during a metrics write: rank 0 must not raise alone (its peers would wait in the
+    next collective). The torn row is cut back, the rows wait in memory with a warning, and the next
+    logging step writes them all, whole and in order."""
+    logger = make_logger(tmp_path)
+    logger.log(1, {"loss": 3.0})
+    real = logger._jsonl
+
+    class FullDisk:  # writes half of what it is given, then fails like a full disk
+        def write(self, text):
+            real.write(text[: len(text) // 2])
+            real.flush()
+
+        def flush(self):
+            raise OSError(28, "No space left on device")
+
+        def close(self):
+            real.close()
+
+        def fileno(self):
+            return real.fileno()
+
+    logger._jsonl = FullDisk()
+    logger.log(2, {"loss": 2.0})  # no exception
+    assert "metrics.jsonl not written (OSError" in capsys.readouterr().out
+    logger.log(3, {"loss": 1.0})
+    logger.close()
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in records] == [(1, 3.0), (2, 2.0), (3, 1.0)]

@@ -27,7 +27,7 @@ import sys
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import torch.distributed as dist
 from tqdm import tqdm
@@ -100,7 +100,11 @@ class MetricsLogger:
             else None
         )
         drop_rows_to_redo(run_dir / "metrics.jsonl", start_step, redo_eval_at_start)
-        self._jsonl = open(run_dir / "metrics.jsonl", "a")  # closed in close()
+        self._metrics_path = run_dir / "metrics.jsonl"
+        self._jsonl: TextIO | None = open(self._metrics_path, "a")  # closed in close()
+        self._written_bytes = self._metrics_path.stat().st_size  # the end of the last whole row
+        self._closed = False
+        self._unwritten: list[str] = []  # rows a failed write keeps for the next logging step
         self._run_dir = run_dir
         use_bar = cfg.progress_bar == "on" or (cfg.progress_bar == "auto" and sys.stderr.isatty())
         self._bar = (
@@ -131,8 +135,8 @@ class MetricsLogger:
         check_metrics(metrics)
         self.last = dict(metrics)
         record = {"step": step, "elapsed_s": round(time.perf_counter() - self._start_time, 3), **metrics}
-        self._jsonl.write(json.dumps(finite_or_null(record)) + "\n")
-        self._jsonl.flush()
+        self._unwritten.append(json.dumps(finite_or_null(record)) + "\n")
+        self.write_rows()
         self._undrawn_rows = True
         scalars = flatten_scalars(metrics)
         if self._tensorboard is not None:
@@ -147,6 +151,33 @@ class MetricsLogger:
             log_main(self.format_line(step, metrics))
         if "eval_tau" in metrics:  # a held-out evaluation: its point on the curves
             self.draw_curves()
+
+    def write_rows(self) -> None:
+        """Append the rows not yet in ``metrics.jsonl``. A write that fails (a full disk) must not
+        stop rank 0 alone, since its peers would wait in the next collective: the rows stay in memory,
+        the file is cut back to its last whole row, a warning says so and the next logging step tries
+        again. A checkpoint that cannot be written stops every rank together (``checkpoint.py``)."""
+        try:
+            if self._jsonl is None:  # the last failure closed it
+                with open(self._metrics_path, "r+b") as f:
+                    f.truncate(self._written_bytes)  # a torn row of the failed write
+                self._jsonl = open(self._metrics_path, "a")
+            self._jsonl.write("".join(self._unwritten))
+            self._jsonl.flush()
+            self._written_bytes = os.fstat(self._jsonl.fileno()).st_size
+        except OSError as err:
+            if self._jsonl is not None:
+                try:
+                    self._jsonl.close()  # closes the file even when its buffer cannot be flushed
+                except OSError:
+                    pass  # the same failure again: the rows are still in self._unwritten
+                self._jsonl = None
+            log_main(
+                f"warning: metrics.jsonl not written ({type(err).__name__}: {err}); "
+                f"{len(self._unwritten)} rows kept in memory, written at the next logging step"
+            )
+            return
+        self._unwritten = []
 
     def draw_curves(self) -> None:
         """Redraw ``curves.png`` beside ``metrics.jsonl`` (train/plots.py). A plot that fails is
@@ -200,9 +231,17 @@ class MetricsLogger:
 
     def close(self) -> None:
         """Flush and close every sink (idempotent)."""
-        if not self.is_main or self._jsonl.closed:
+        if not self.is_main or self._closed:
             return
-        self._jsonl.close()
+        self._closed = True
+        if self._unwritten:
+            self.write_rows()
+        if self._unwritten:
+            log_main(
+                f"warning: {len(self._unwritten)} rows of metrics were never written to {self._metrics_path}"
+            )
+        if self._jsonl is not None:
+            self._jsonl.close()
         if self._undrawn_rows:  # the end of the run, unless its last row (an evaluation) is drawn
             self.draw_curves()
         if self._bar is not None:
