@@ -94,6 +94,41 @@ def export_fails_worker(rank: int, port: int, task: dict, out_dir: str) -> None:
     Path(out_dir, f"rank{rank}.txt").write_text(outcome)
 
 
+def run_info_fails_worker(rank: int, port: int, task: dict, out_dir: str) -> None:
+    """Rank 0 cannot write config.yaml at the start (a read-only or full output_dir)."""
+    become_rank(rank, 2, port)
+    from dflash_train.config import RunConfig
+    from dflash_train.train.trainer import train
+
+    if rank == 0:
+        to_yaml = RunConfig.to_yaml
+
+        def read_only(self, path=None):
+            if path is not None:
+                raise PermissionError(13, "Permission denied", str(path))
+            return to_yaml(self)
+
+        RunConfig.to_yaml = read_only
+    try:
+        outcome = f"trained {train(tiny_config(task, out_dir, 'train.parallel=ddp', 'train.max_steps=2'))['step']} steps"
+    except Exception as err:  # the outcome of each rank, whatever it is, is what the test compares
+        outcome = f"{type(err).__name__}: {err}"
+    Path(out_dir, f"rank{rank}.txt").write_text(outcome)
+
+
+def test_a_failed_run_info_write_stops_every_rank_with_its_error(task, tmp_path):
+    """Rank 0 cannot write config.yaml and run_info.json: every rank raises the same error before the
+    first step, instead of the other ranks waiting for rank 0 in the first step's collective."""
+    out = tmp_path / "run"
+    out.mkdir()
+    spawn_ranks(run_info_fails_worker, (free_port(), task, str(out)), nprocs=2, timeout_s=150)
+    outcomes = [(out / f"rank{r}.txt").read_text() for r in range(2)]
+    assert outcomes[0] == outcomes[1], outcomes
+    assert outcomes[0].startswith(
+        f"RuntimeError: writing config.yaml and run_info.json to {out} failed: PermissionError:"
+    )
+
+
 def test_a_failed_export_stops_every_rank_with_its_error(task, tmp_path):
     """Rank 0 cannot write the final export: every rank raises the same error naming it (the last
     checkpoint is committed), instead of the other ranks waiting at the export's barrier."""

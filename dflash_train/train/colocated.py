@@ -37,12 +37,12 @@ from dflash_train.train.run import (
     export_final,
     maybe_resume,
     open_logger,
+    record_run_info,
     run_result,
     save,
     save_due,
     settle_saves,
     total_steps,
-    write_run_info,
 )
 from dflash_train.train.sitting import Sitting, append_sitting, stop_message
 from dflash_train.train.step import (
@@ -214,8 +214,7 @@ def build_run(cfg: RunConfig, info: DistInfo) -> Run:
         writer=ckpt.CheckpointWriter(asynchronous=cfg.checkpoint.async_write),
     )
     maybe_resume(run)  # may keep another length: the one the checkpoint's run was planned with
-    if info.is_main:
-        write_run_info(run, placement="colocated")
+    record_run_info(run, info.is_main, placement="colocated")
     log_main(
         f"training: {run.total_steps} steps, {sum(p.numel() for p in unwrap(model).parameters()) / 1e6:.1f}M drafter params, "
         f"world {info.world_size}, device {info.device}, target kernels {target.kernels}"

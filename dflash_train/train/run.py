@@ -121,6 +121,24 @@ def write_run_info(run: Run, **extra: Any) -> None:
     (out / "run_info.json").write_text(json.dumps(info, indent=2, default=str))
 
 
+def record_run_info(run: Run, writer: bool, **extra: Any) -> None:
+    """Every rank of the run's group: ``write_run_info`` on the ``writer`` rank, then its outcome. A
+    write that fails (a full disk, a read-only output_dir) raises the same ``RuntimeError`` on every
+    rank, which would otherwise wait for the writer in the first step's collective."""
+    error = attempt(lambda: write_run_info(run, **extra)) if writer else None
+    message = any_rank_error(error, group=run.group)
+    if message is not None:
+        raise run_info_failure(run.cfg.output_dir, message) from error
+
+
+def run_info_failure(output_dir: str | Path, message: str) -> RuntimeError:
+    """The one error every rank raises when ``write_run_info`` failed on its writer (``message``)."""
+    return RuntimeError(
+        f"writing config.yaml and run_info.json to {output_dir} failed: {message}; make output_dir "
+        "writable (or free space there) and run the same command again"
+    )
+
+
 def open_logger(run: Run) -> MetricsLogger:
     """The run's metrics logger (rank 0 of the run's group writes), continuing at ``run.step``: rows
     an earlier process logged after that step (it died before their checkpoint) are dropped, and so

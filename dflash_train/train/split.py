@@ -53,9 +53,11 @@ from dflash_train.train.run import (
     NonFiniteError,
     Run,
     TrainHooks,
+    attempt,
     export_final,
     maybe_resume,
     open_logger,
+    run_info_failure,
     run_result,
     save,
     save_due,
@@ -207,6 +209,8 @@ class FeatureProducer:
         share_resume_outcome(layout, None)  # raises with the drafter ranks if they could not resume
         start = [None]
         dist.broadcast_object_list(start, src=layout.drafter_main)  # resume point, decided by drafter rank 0
+        if start[0]["run_info_error"] is not None:  # the drafter ranks raise the same
+            raise run_info_failure(cfg.output_dir, start[0]["run_info_error"])
         self.start_step, self.start_micro = start[0]["step"], start[0]["micro"]
         self.total = start[0]["total"]  # a resume keeps the length the checkpoint's run planned
         self.produced = self.start_step
@@ -375,17 +379,24 @@ def build_drafter_run(
     except Exception as err:  # recovery boundary: every rank must learn that the resume failed
         error = err
     share_resume_outcome(layout, error)
+    error = None
     if local.is_main:
-        write_run_info(
-            run,
-            placement="split",
-            target_kernels=shared["target_kernels"],  # what target rank 0 bound, not the head's
-            world_size=info.world_size,
-            target_ranks=layout.num_target_ranks,
-            drafter_ranks=layout.num_drafter_ranks,
+        error = attempt(
+            lambda: write_run_info(
+                run,
+                placement="split",
+                target_kernels=shared["target_kernels"],  # what target rank 0 bound, not the head's
+                world_size=info.world_size,
+                target_ranks=layout.num_target_ranks,
+                drafter_ranks=layout.num_drafter_ranks,
+            )
         )
     start = {"step": run.step, "micro": data.micro, "total": run.total_steps}
-    dist.broadcast_object_list([start], src=layout.drafter_main)
+    start["run_info_error"] = None if error is None else f"{type(error).__name__}: {error}"
+    box = [start]
+    dist.broadcast_object_list(box, src=layout.drafter_main)  # every rank learns whether it was written
+    if box[0]["run_info_error"] is not None:
+        raise run_info_failure(cfg.output_dir, box[0]["run_info_error"]) from error
     width = head.hidden_size * len(head.target_layer_ids)
     receiver = FeatureReceiver(info.device, resolve_dtype(cfg.target.dtype), width, stream_group)
     log_main(
