@@ -179,6 +179,34 @@ def test_the_vote_reserves_the_next_step_the_final_save_and_at_the_end_evaluatio
     assert not s.wants_stop(9, never, never)
 
 
+def test_a_step_that_compiled_is_not_budgeted_as_the_next_one():
+    """A bucketed run compiles once per new bucket; before, the slowest of those compilations was
+    budgeted as every later step, and each sitting stopped that much before its limit."""
+    compiles = [0]
+    s = sitting(time_limit_s=400.0, total_steps=5000)
+    s.compile_count, s.step_s = (lambda: compiles[0]), []
+
+    def step(seconds: float, compiles_now: bool = False) -> None:
+        s.begin_step()
+        s.now += seconds
+        compiles[0] += compiles_now
+        s.end_step()
+
+    step(30.0, compiles_now=True)  # the first step compiles
+    assert s.step_estimate() == 30.0  # nothing else measured yet: the compiling step stands in
+    for _ in range(50):
+        step(0.1)
+    step(22.0, compiles_now=True)  # a bucket met for the first time
+    for _ in range(50):
+        step(0.1)
+    assert s.step_estimate() == pytest.approx(0.1)
+    s.now = 400.0 - 0.1 - 5.0 - 8.0 - 1.0  # a step, the final save, the 2% margin: room for one more
+    assert not s.wants_stop(102, never, never)
+    assert s.measured["compiling_steps"] == 2 and s.measured["compiling_step_s"] == 30.0  # the slowest
+    step(5.0)  # a slow step that compiled nothing (a stall) still counts
+    assert s.step_estimate() == 5.0
+
+
 def test_steps_per_process_count_from_where_the_process_started():
     s = sitting(time_limit_s=0.0, steps_per_process=3, start_step=6)
     assert [s.wants_stop(step, never, never) for step in (7, 8, 9)] == [False, False, True]

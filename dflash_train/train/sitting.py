@@ -7,8 +7,8 @@ give a run of 30 minutes only as several processes. The process must end *before
 the checkpoint committed, so it stops when the time left would not cover what comes next: the rest
 of this step (an evaluation or periodic save due at it), one more step, the final save, and at the
 run's last step its held-out evaluation and export. Those costs are measured as the process goes
-(the slowest step of this process but its first, which holds compilation; each evaluation and
-save), and the previous sitting's measured final save, evaluation and export, from
+(the slowest step of this process but its first and those that compiled: a shape met for the
+first time, a one-time cost; each evaluation and save), and the previous sitting's measured final save, evaluation and export, from
 ``output_dir/sittings.jsonl``, stand in for what this one has not measured yet; before any, a save
 is assumed to write 12 bytes per drafter parameter at 250 MB/s.
 
@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from dflash_train.generate.compiled_step import compiled_graph_count
 
 SITTINGS_LOG = "sittings.jsonl"
 # The assumed write speed of a checkpoint before one was measured, bytes per second.
@@ -53,6 +55,8 @@ class Sitting:
     started: float
     clock: Callable[[], float] = time.monotonic
     step_s: list[float] = field(default_factory=list)  # iterations of this process, eval and save left out
+    compiling_step_s: list[float] = field(default_factory=list)  # iterations in which dynamo compiled
+    compile_count: Callable[[], int] = compiled_graph_count
     eval_s: float = 0.0
     save_s: float = 0.0
     export_s: float = 0.0
@@ -60,6 +64,7 @@ class Sitting:
     stopped: str | None = None
     iteration_start: float = 0.0
     iteration_extra: float = 0.0  # evaluation and save time inside the current iteration
+    iteration_compiles: int = 0  # compile_count() when the current iteration began
 
     @classmethod
     def begin(cls, run, started: float, clock: Callable[[], float]) -> Sitting:
@@ -90,9 +95,15 @@ class Sitting:
 
     def begin_step(self) -> None:
         self.iteration_start, self.iteration_extra = self.clock(), 0.0
+        self.iteration_compiles = self.compile_count()
 
     def end_step(self) -> None:
-        self.step_s.append(self.clock() - self.iteration_start - self.iteration_extra)
+        seconds = self.clock() - self.iteration_start - self.iteration_extra
+        compiled = self.compile_count() != self.iteration_compiles
+        (self.compiling_step_s if compiled else self.step_s).append(seconds)
+        if compiled:
+            self.measured["compiling_steps"] = len(self.compiling_step_s)
+            self.measured["compiling_step_s"] = max(self.compiling_step_s)
 
     def timed(self, kind: str, work: Callable[[], Any]) -> Any:
         """Run ``work`` and keep its duration: ``eval_s`` (an evaluation), ``save_s`` (a save) or
@@ -111,8 +122,14 @@ class Sitting:
         return value
 
     def step_estimate(self) -> float:
-        """The slowest step of this process but its first (compilation), or the one in progress."""
-        done = self.step_s[1:] or self.step_s
+        """The slowest step of this process but its first (warm-up) and those that compiled, or, before
+        any such step, the slowest that compiled, or the one in progress.
+
+        A step that compiled met a shape for the first time (a new length bucket's attention, say):
+        the steps after it reuse the compiled code, and a later step that meets another new shape is
+        one that no estimate from past steps foresees. Counting those steps made every sitting of
+        a bucketed run budget a compilation per step and stop that much before its limit."""
+        done = self.step_s[1:] or self.step_s or self.compiling_step_s
         return max(done) if done else self.clock() - self.iteration_start
 
     def wants_stop(
@@ -153,7 +170,7 @@ class Sitting:
             "elapsed_s": round(self.elapsed(), 3),
             "time_limit_s": self.time_limit_s,
             "steps_per_process": self.steps_per_process,
-            "step_s": round(self.step_estimate(), 4) if self.step_s else None,
+            "step_s": round(self.step_estimate(), 4) if self.step_s or self.compiling_step_s else None,
             **{k: round(v, 3) for k, v in self.measured.items()},
         }
 
