@@ -47,7 +47,9 @@ class DataConfig:
     pack_window: int = 4096
     # Bad rows (malformed JSON, no assistant turn, ...) skipped and counted before failing.
     max_bad_rows: int = 0
-    num_workers: int = 2
+    # Tokenization processes when the cache is built (one rank builds it); 0 = the CPUs this process
+    # may run on, at most MAX_TOKENIZE_WORKERS.
+    num_workers: int = 0
     cache_dir: str = ""
     streaming: bool = False
 
@@ -235,6 +237,10 @@ def validate(cfg: RunConfig) -> None:
     if dt.token_budget < dt.seq_buckets[-1]:
         raise ValueError(
             f"data.token_budget={dt.token_budget} is smaller than the largest bucket {dt.seq_buckets[-1]}: raise it to at least {dt.seq_buckets[-1]} so a longest row fits."
+        )
+    if dt.num_workers < 0:
+        raise ValueError(
+            f"data.num_workers={dt.num_workers}: give the tokenization processes, or 0 for the CPUs this process may use."
         )
     validate_packing(cfg)
     if t.lr <= 0 or not 0 <= t.warmup_ratio < 1 or not 0 <= t.min_lr_ratio <= 1:

@@ -206,7 +206,9 @@ def train_command(args: argparse.Namespace, name: str, overrides: list[str], fil
         f"target.path={args.target}",
         f"data.paths=[{files['train_rows']}]",
         f"output_dir={args.work / ('run-' + name)}",
-        f"data.cache_dir={args.work / ('cache-' + name)}",
+        # One cache for every run: it is keyed by the data files and tokenizer, so runs on the same
+        # rows share one build (58-79 s each for 92,597 rows) and runs on other rows get their own.
+        f"data.cache_dir={args.work / 'cache'}",
         f"train.time_limit_s={limit_s:.0f}",
         *args.common.split(),
         *overrides,  # last: a run's own data.paths (e.g. a data-scale subset) wins

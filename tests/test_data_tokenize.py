@@ -1,12 +1,13 @@
 """Chat template tokenization, the assistant loss mask and the tokenized-data cache."""
 
 import json
+import os
 
 import numpy as np
 import pytest
 
-from dflash_train.config import DataConfig
-from dflash_train.data.cache import load_or_build
+from dflash_train.config import DataConfig, load_config
+from dflash_train.data.cache import MAX_TOKENIZE_WORKERS, load_or_build, tokenize_workers
 from dflash_train.data.tokenize import TemplateError, has_generation_markers, tokenize_chat
 from dflash_train.tiny import CHAT_TEMPLATE, build_tokenizer
 
@@ -150,6 +151,18 @@ def test_cache_is_reused_and_invalidated_by_file_changes(tmp_path, tokenizer):
     assert load_or_build(cfg, tokenizer).num_rows == 7
     thinking = DataConfig(paths=[str(data)], cache_dir=str(tmp_path / "cache"), thinking=False)
     assert load_or_build(thinking, tokenizer, build=False) is None  # settings are part of the key
+
+
+def test_num_workers_0_tokenizes_on_the_cpus_this_process_may_use(monkeypatch):
+    """The default: one rank builds the cache, so it may use every CPU it is given (capped)."""
+    assert DataConfig().num_workers == 0
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(128)), raising=False)
+    assert tokenize_workers(DataConfig()) == MAX_TOKENIZE_WORKERS
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6}, raising=False)
+    assert tokenize_workers(DataConfig()) == 3
+    assert tokenize_workers(DataConfig(num_workers=5)) == 5  # given: as given
+    with pytest.raises(ValueError, match="data.num_workers=-1"):
+        load_config("tiny-cpu", ["output_dir=/tmp/x", "data.num_workers=-1"])
 
 
 def test_parallel_workers_match_single_process(tmp_path, tokenizer):
