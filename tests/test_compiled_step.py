@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from dflash_train.generate import compiled_step
+from dflash_train.generate.compiled_step import CompiledStep
 from dflash_train.generate.engine import SlotEngine
 from dflash_train.generate.sampling import Sampling
 from dflash_train.tiny import build_tiny_target, sharpen
@@ -94,3 +95,22 @@ def test_the_graphed_compiled_step_compiles_once_per_sampling_setting_on_cuda():
     eager = SlotEngine(model, num_slots=3, kv_bucket=8, compile_decode=False, use_cuda_graphs=False)
     assert compiles_over(CALLS, compiled, eager) == one_per_setting(CALLS)
     assert compiled.graphs.num_captures > len(one_per_setting(CALLS))
+
+
+def test_the_inductor_step_chooses_its_kernels_without_timing_them(monkeypatch):
+    """Inductor's default picks a reduction's kernel config by timing it on the GPU, so the step's
+    rounding (and a bf16 greedy reply) could differ between processes; deterministic mode does not."""
+    seen = {}
+
+    def fake_compile(fn, **kwargs):
+        seen.update(kwargs)
+        return fn
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(compiled_step, "COMPILE_BACKEND", "inductor")
+    CompiledStep(lambda: None)
+    assert seen["backend"] == "inductor" and seen["options"] == {"deterministic": True}
+    assert isinstance(torch._inductor.config.deterministic, bool)  # an option this torch knows
+    monkeypatch.setattr(compiled_step, "COMPILE_BACKEND", "eager")  # dynamo alone: no options
+    CompiledStep(lambda: None)
+    assert seen["options"] is None

@@ -65,6 +65,16 @@ def compiled_graph_count() -> int:
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+def inductor_options(backend: str) -> dict | None:
+    """Inductor's deterministic mode for the step. By default inductor chooses among a reduction's
+    kernel configs (block size, warps: the order of its sums) by timing them on the GPU when the step
+    first runs, so what else the GPU is doing then decides how a process rounds; one flipped
+    near-tie changes a greedy reply from there on. The exact eval's reference continuation differed
+    between eval processes on the same prompts (docs/quality.md, "All 92,597 rows"), and regen's rows
+    would differ with it. Deterministic mode chooses by heuristics, never by timing."""
+    return {"deterministic": True} if backend == "inductor" else None
+
+
 class CompiledStep:
     """``step_body`` under torch.compile: the decode forward and the draw as fused kernels (RMSNorm,
     RoPE, SwiGLU, residual adds, the sampling tail), captured into the engine's graphs like the eager
@@ -76,7 +86,9 @@ class CompiledStep:
         # and greedy replies): keep them all compiled rather than let the default limit of 8 per code
         # object send later ones back to the eager step, unnoticed.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        self.compiled = torch.compile(step_body, dynamic=None, backend=COMPILE_BACKEND)
+        self.compiled = torch.compile(
+            step_body, dynamic=None, backend=COMPILE_BACKEND, options=inductor_options(COMPILE_BACKEND)
+        )
         self.num_compiles = 0
         self.compile_seconds = 0.0
 
