@@ -6,17 +6,21 @@
 # back-to-back calls of this script, with no stage restarted or model reloaded between calls.
 #
 # Usage: scripts/gpu_detached.sh NAME WAIT_S CMD...   (later calls: scripts/gpu_detached.sh NAME WAIT_S)
-# State in /tmp/detached/NAME.{pid,log,rc}; the log is copied to $OUT/NAME.log after each wait.
-# Exit code: 0 when the job finished with 0, 3 while it still runs, the job's own code when it failed.
+# State in $DETACHED_DIR (default /tmp/detached)/NAME.{pid,log,rc}; the log is copied to $OUT/NAME.log
+# after each wait. The job holds none of this call's output streams, so piping a call (`... | tail`)
+# returns when the call does, not when the job ends.
+# Exit code: 0 when the job finished with 0, 3 while it still runs, the job's own code when it failed,
+# 4 when it ended without one (killed), 2 when NAME was never started and no command is given.
 set -u
 name=$1 wait_s=$2; shift 2
-dir=/tmp/detached; mkdir -p "$dir"
+dir=${DETACHED_DIR:-/tmp/detached}; mkdir -p "$dir"
 pid_file=$dir/$name.pid log=$dir/$name.log rc_file=$dir/$name.rc
 alive() { [ -f "$pid_file" ] && kill -0 "$(cat "$pid_file")" 2>/dev/null; }
-if ! alive && [ ! -f "$rc_file" ]; then
+if [ ! -f "$pid_file" ]; then
   [ $# -gt 0 ] || { echo "$name: not started and no command given"; exit 2; }
   # setsid: the job is not killed when this call's command returns
-  setsid bash -c 'log=$0 rc=$1; shift; "$@" >"$log" 2>&1; echo $? >"$rc"' "$log" "$rc_file" "$@" </dev/null &
+  setsid bash -c 'log=$0 rc=$1; shift; "$@" >"$log" 2>&1; echo $? >"$rc"' "$log" "$rc_file" "$@" \
+    </dev/null >/dev/null 2>&1 &
   echo $! >"$pid_file"
   echo "$name: started (pid $(cat "$pid_file")): $*"
 fi
@@ -26,5 +30,8 @@ while alive && [ ! -f "$rc_file" ] && [ "$(date +%s)" -lt "$deadline" ]; do slee
 tail -n 25 "$log" 2>/dev/null
 if [ -f "$rc_file" ]; then
   rc=$(cat "$rc_file"); echo "$name: finished, exit $rc"; exit "$rc"
+fi
+if ! alive; then
+  echo "$name: ended without an exit code (killed by a signal, or the machine was restarted)"; exit 4
 fi
 echo "$name: still running"; exit 3
