@@ -1,0 +1,94 @@
+"""The device side of a lease: scripts/gpu_lease_setup.sh (the target and files sent in calls of their
+own) and scripts/gpu_detached.sh (a job that outlives one device call)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPT = SCRIPTS / "gpu_detached.sh"
+
+
+def call(args: str, state: Path, out: Path, timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DETACHED_DIR": str(state), "OUT": str(out)}
+    return subprocess.run(
+        f"{SCRIPT} {args}", shell=True, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_a_piped_call_returns_while_its_job_runs_and_a_later_call_reports_the_end(tmp_path):
+    """The job once held the call's stdout, so `gpu_detached.sh ... | tail` waited for the whole job
+    (a device call ran into its limit for nothing)."""
+    state, out = tmp_path / "state", tmp_path / "out"
+    out.mkdir()
+    started = call(
+        "job 0 bash -c 'echo working; sleep 20; echo finished' | tail -n 3", state, out, timeout=10
+    )
+    try:
+        assert "job: started" in started.stdout and "still running" in started.stdout
+        assert call("job 0", state, out, timeout=10).returncode == 3  # still running: exit 3
+    finally:
+        os.killpg(int((state / "job.pid").read_text()), signal.SIGTERM)
+    # Killed before it could write its exit code: said so, not "still running" (nor "not started")
+    # for ever.
+    ended = call("job 30", state, out, timeout=40)
+    assert ended.returncode == 4 and "job: ended without an exit code" in ended.stdout
+    assert (out / "job.log").read_text().startswith("working")
+
+
+def test_the_job_s_exit_code_is_the_call_s_once_it_ends(tmp_path):
+    state, out = tmp_path / "state", tmp_path / "out"
+    out.mkdir()
+    assert call("quick 0", state, out, timeout=10).returncode == 2  # never started, no command
+    first = call("quick 30 bash -c 'echo hello; exit 7'", state, out, timeout=40)
+    assert first.returncode == 7 and "quick: finished, exit 7" in first.stdout
+    assert call("quick 0", state, out, timeout=10).returncode == 7  # a later call: the same outcome
+    assert (out / "quick.log").read_text() == "hello\n"
+
+
+FAKE_CONVERTER = """import pathlib, sys
+src, name, out = sys.argv[1:4]
+pathlib.Path(out).mkdir(parents=True)
+pathlib.Path(out, "config.json").write_bytes(pathlib.Path(src, name).read_bytes())
+with open(pathlib.Path(src, "conversions"), "a") as fh:
+    fh.write("1")
+"""
+
+
+def setup(args: str, repo: Path, tmp: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "LEASE_TMP": str(tmp)}
+    return subprocess.run(
+        f"{SCRIPTS / 'gpu_lease_setup.sh'} {args}",
+        shell=True,
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_the_target_is_assembled_from_calls_of_their_own_and_the_tree_copied_without_dev(tmp_path):
+    repo, tmp = tmp_path / "repo", tmp_path / "tmp"
+    (repo / ".dev" / "gguf-a").mkdir(parents=True)
+    (repo / ".dev" / "gguf-b").mkdir()
+    (repo / ".dev" / "rows").mkdir()
+    (repo / ".dev" / "gguf-a" / "part").write_bytes(b"first half|")
+    (repo / ".dev" / "gguf-b" / "part").write_bytes(b"second half")
+    (repo / ".dev" / "gguf-b" / "real-target-convert.py").write_text(FAKE_CONVERTER)
+    (repo / ".dev" / "rows" / "regen-rows.part00.jsonl.xz").write_bytes(b"rows")
+    (repo / "scripts").mkdir()
+    (repo / "scripts" / "job.py").write_text("print('job')\n")
+    refused = setup("target", repo, tmp)  # part a never came (or the machine was not kept warm)
+    assert refused.returncode == 1 and "run 'part-a'" in refused.stdout
+    assert setup("part-a", repo, tmp).returncode == 0
+    assert setup("files .dev/rows", repo, tmp).returncode == 0
+    assert (tmp / "rows" / "regen-rows.part00.jsonl.xz").read_bytes() == b"rows"
+    for _ in range(2):  # the second call (a fresh tree, say) converts nothing again
+        done = setup("target", repo, tmp)
+        assert done.returncode == 0, done.stderr
+    assert (tmp / "smol" / "config.json").read_bytes() == b"first half|second half"
+    assert (tmp / "smol-src" / "conversions").read_text() == "1"
+    assert (tmp / "job" / "scripts" / "job.py").is_file() and not (tmp / "job" / ".dev").exists()
