@@ -415,6 +415,7 @@ def worker(spec: dict) -> None:
     torch.set_num_threads(1)
     from dflash_train.config import load_config
     from dflash_train.train import trainer
+    from dflash_train.train.parallel import finish_distributed
     from dflash_train.train.split import SplitHooks, train_split
 
     cfg = load_config("tiny-cpu", [*spec["overrides"], f"train.dist_timeout_s={spec.get('timeout', 60)}"])
@@ -490,6 +491,7 @@ def worker(spec: dict) -> None:
         Path(spec["result_dir"], f"rank{rank}.json").write_text(json.dumps(failure))
         raise
     Path(spec["result_dir"], f"rank{rank}.json").write_text(json.dumps(result, default=str))
+    finish_distributed()  # as `dflash-train train` does (trainer.run_training)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ replicated with DDP; a single process without torchrun uses the plain module und
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from dataclasses import dataclass
 
@@ -73,6 +74,19 @@ def init_distributed(requested_device: str = "auto", timeout_s: float = 1800.0) 
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device)
+
+
+def finish_distributed() -> None:
+    """Leave the torchrun job this process joined (``init_distributed``), before the interpreter exits.
+
+    Left to the interpreter's teardown, gloo's worker threads can still hold tensors while Python
+    is being finalised, and a rank whose run finished dies with SIGABRT ("terminate called without
+    an active exception"; torchrun then reports the job failed); NCCL warns that the group was never
+    destroyed. The run's modules are collected first: a DDP module collected after its group was
+    destroyed once hung a rank in its destructor."""
+    if dist.is_available() and dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
 
 
 def all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

@@ -22,11 +22,14 @@ def run_training(recipe: str, overrides: list[str]) -> dict[str, Any]:
     """CLI entry: ``dflash-train train RECIPE key=value ...``. A checkpoint that could not be written
     (e.g. a full disk) is not a bug: every rank exits 1 with its one-line message, no traceback."""
     from dflash_train.train.checkpoint_space import CheckpointWriteError
+    from dflash_train.train.parallel import finish_distributed
 
     try:
-        return train(load_config(recipe, overrides))
+        result = train(load_config(recipe, overrides))
     except CheckpointWriteError as err:
         raise SystemExit(f"dflash-train train: error: {err}") from None
+    finish_distributed()  # a finished rank exits 0, not by SIGABRT in gloo's teardown
+    return result
 
 
 def train(cfg: RunConfig, hooks: TrainHooks | None = None) -> dict[str, Any]:
