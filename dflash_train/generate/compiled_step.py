@@ -68,10 +68,10 @@ def compiled_graph_count() -> int:
 def inductor_options(backend: str) -> dict | None:
     """Inductor's deterministic mode for the step. By default inductor chooses among a reduction's
     kernel configs (block size, warps: the order of its sums) by timing them on the GPU when the step
-    first runs, so what else the GPU is doing then decides how a process rounds; one flipped
+    first runs, so what else the GPU is doing then can decide how a process rounds, and one flipped
     near-tie changes a greedy reply from there on. The exact eval's reference continuation differed
-    between eval processes on the same prompts (docs/quality.md, "All 92,597 rows"), and regen's rows
-    would differ with it. Deterministic mode chooses by heuristics, never by timing."""
+    between eval processes on the same prompts (docs/quality.md, "All 92,597 rows"; this is a
+    candidate cause). Deterministic mode chooses by heuristics, never by timing."""
     return {"deterministic": True} if backend == "inductor" else None
 
 
