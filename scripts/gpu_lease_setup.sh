@@ -13,7 +13,7 @@
 #
 # target: the wheels in .whl/ into $TMP/site (if any), part a + part b -> $TMP/smol-src/model.gguf,
 # the converter -> $TMP/smol (skipped when it is there: a second call is cheap), this tree without
-# .dev/ and .whl/ -> $TMP/job (replaced). TMP is $LEASE_TMP, default /tmp.
+# .dev/, .whl/, .venv/, .git/ and runs/ -> $TMP/job (replaced). TMP is $LEASE_TMP, default /tmp.
 set -euo pipefail
 tmp=${LEASE_TMP:-/tmp}
 case "${1:-}" in
@@ -26,7 +26,7 @@ case "${1:-}" in
   target)
     [ -f "$tmp/smol-src/a.part" ] || { echo "no $tmp/smol-src/a.part: run 'part-a' in the call before (the machine must stay warm)"; exit 1; }
     if compgen -G ".whl/*.whl" >/dev/null; then
-      python3 -m pip install -q --no-index --no-deps --target "$tmp/site" .whl/*.whl
+      python3 -m pip install -q --no-index --no-deps --upgrade --target "$tmp/site" .whl/*.whl
     fi
     if [ ! -f "$tmp/smol/config.json" ]; then
       cat "$tmp/smol-src/a.part" .dev/gguf-b/part > "$tmp/smol-src/model.gguf"
@@ -34,7 +34,9 @@ case "${1:-}" in
         python3 .dev/gguf-b/real-target-convert.py "$tmp/smol-src" model.gguf "$tmp/smol"
     fi
     rm -rf "$tmp/job" && mkdir -p "$tmp/job"
-    tar --exclude=./.dev --exclude=./.whl -cf - . | tar -xf - -C "$tmp/job"
+    # what a call's working copy carries, less the parts and wheels (and local environments and runs)
+    tar --exclude=./.dev --exclude=./.whl --exclude=./.venv --exclude=./.git --exclude=./runs \
+      --exclude=./.pytest_cache --exclude=./.ruff_cache -cf - . | tar -xf - -C "$tmp/job"
     echo "target $tmp/smol; job folder $tmp/job" ;;
   *) sed -n '2,17p' "$0"; exit 2 ;;
 esac
