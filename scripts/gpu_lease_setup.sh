@@ -38,5 +38,5 @@ case "${1:-}" in
     tar --exclude=./.dev --exclude=./.whl --exclude=./.venv --exclude=./.git --exclude=./runs \
       --exclude=./.pytest_cache --exclude=./.ruff_cache -cf - . | tar -xf - -C "$tmp/job"
     echo "target $tmp/smol; job folder $tmp/job" ;;
-  *) sed -n '2,17p' "$0"; exit 2 ;;
+  *) sed -n '2,16p' "$0"; exit 2 ;;
 esac
