@@ -287,7 +287,7 @@ def test_a_grown_cache_counts_the_allocators_unused_blocks_as_free(monkeypatch):
     old cache's ~70 GiB sat unused in the allocator."""
     from types import SimpleNamespace
 
-    from dflash_train.generate import engine as engine_module
+    from dflash_train.generate import slot_cache
 
     layer = SimpleNamespace(keys=torch.zeros(1, 2, 8, 4))  # 2 heads x 4 dims, float32: 64 bytes per token
     prefill = SimpleNamespace(layers=[layer])
@@ -295,7 +295,7 @@ def test_a_grown_cache_counts_the_allocators_unused_blocks_as_free(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (need // 2, 4 * need))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: need // 4)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: need // 4 + need)
-    engine_module.check_free_memory(prefill, 16, 1024, torch.device("cuda"))  # 1.5 MiB usable: fits
+    slot_cache.check_free_memory(prefill, 16, 1024, torch.device("cuda"))  # 1.5 MiB usable: fits
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: need // 4)
     with pytest.raises(ValueError, match=r"16 slots x 1024 tokens"):
-        engine_module.check_free_memory(prefill, 16, 1024, torch.device("cuda"))
+        slot_cache.check_free_memory(prefill, 16, 1024, torch.device("cuda"))

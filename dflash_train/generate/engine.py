@@ -65,13 +65,12 @@ from dflash_train.generate.sampling import (
     row_uniforms,
     step_keys,
 )
-from dflash_train.generate.slot_cache import SlotAttentionLayer, SlotCache
+from dflash_train.generate.slot_cache import SlotAttentionLayer, SlotCache, check_free_memory
 from dflash_train.generate.step_graphs import GraphRuntime, StepGraphs
 
 # on_rows(num_rows_finished, num_tokens_generated), called as rows finish (progress bars).
 RowsCallback = Callable[[int, int], None]
 SUPPORTED_LAYER_TYPES = {"full_attention", "linear_attention"}
-FREE_MEMORY_FRACTION = 0.9  # of the free GPU memory the slot cache may take
 # Callers with many rows (regen, synth) hand the engine this many rows per slot per call: slots
 # freed early are refilled from the rest, and only the call's last rows run in a draining batch.
 QUEUE_ROWS_PER_SLOT = 4
@@ -452,34 +451,6 @@ def is_stop(tokens: torch.Tensor, stops: torch.Tensor) -> torch.Tensor:
 
 def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
-
-
-def check_free_memory(prefill, num_slots: int, capacity: int, device: torch.device) -> None:
-    """Refuse a slot cache that would not fit, saying what to lower (CUDA only)."""
-    if device.type != "cuda":
-        return
-    per_slot = 0
-    for layer in prefill.layers:
-        if hasattr(layer, "conv_states"):
-            tensors = [*layer.conv_states.values(), *layer.recurrent_states.values()]
-            per_slot += sum(t[0].numel() * t.element_size() for t in tensors if t is not None)
-        else:
-            per_slot += capacity * (layer.keys[0, :, 0].numel() * 2) * layer.keys.element_size()
-    need = per_slot * num_slots
-    free = free_device_memory(device)
-    if need > FREE_MEMORY_FRACTION * free:
-        raise ValueError(
-            f"the generation cache needs {need / 2**30:.1f} GiB ({num_slots} slots x {capacity} tokens) but "
-            f"{free / 2**30:.1f} GiB are free: lower the batch size or the maximum new tokens"
-        )
-
-
-def free_device_memory(device: torch.device) -> int:
-    """Bytes a new allocation can take: the device's free memory plus what PyTorch's allocator holds
-    unused (a slot cache dropped to grow keeps its blocks reserved, and the allocator hands them back
-    before it fails; the device alone would count them as taken)."""
-    free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
 
 # ----------------------------------------------------------------------------- engine choice

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, LinearAttentionLayer
 
+FREE_MEMORY_FRACTION = 0.9  # of the free GPU memory the slot cache may take
+
 
 class SlotAttentionLayer(CacheLayerMixin):
     """K/V storage of one attention layer: [S, Hkv, C, D], written at per-slot positions."""
@@ -142,3 +144,31 @@ def preallocated_linear_layer(layer: LinearAttentionLayer, num_slots: int) -> Li
         slot_layer.conv_kernel_size[key] = layer.conv_kernel_size[key]
         slot_layer.has_previous_state[key] = True
     return slot_layer
+
+
+def check_free_memory(prefill, num_slots: int, capacity: int, device: torch.device) -> None:
+    """Refuse a slot cache that would not fit, saying what to lower (CUDA only)."""
+    if device.type != "cuda":
+        return
+    per_slot = 0
+    for layer in prefill.layers:
+        if hasattr(layer, "conv_states"):
+            tensors = [*layer.conv_states.values(), *layer.recurrent_states.values()]
+            per_slot += sum(t[0].numel() * t.element_size() for t in tensors if t is not None)
+        else:
+            per_slot += capacity * (layer.keys[0, :, 0].numel() * 2) * layer.keys.element_size()
+    need = per_slot * num_slots
+    free = free_device_memory(device)
+    if need > FREE_MEMORY_FRACTION * free:
+        raise ValueError(
+            f"the generation cache needs {need / 2**30:.1f} GiB ({num_slots} slots x {capacity} tokens) but "
+            f"{free / 2**30:.1f} GiB are free: lower the batch size or the maximum new tokens"
+        )
+
+
+def free_device_memory(device: torch.device) -> int:
+    """Bytes a new allocation can take: the device's free memory plus what PyTorch's allocator holds
+    unused (a slot cache dropped to grow keeps its blocks reserved, and the allocator hands them back
+    before it fails; the device alone would count them as taken)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
