@@ -44,7 +44,6 @@ from dflash_train.data.batching import Batch
 from dflash_train.models.dtypes import DTYPES, resolve_dtype
 from dflash_train.train import builders
 from dflash_train.train import checkpoint as ckpt
-from dflash_train.train import checkpoint_space as space
 from dflash_train.train.faults import GracefulStop, Watchdog, any_rank_flags, report_deferred_stop
 from dflash_train.train.logging import log_main, set_main_rank
 from dflash_train.train.loss import add_metrics
@@ -59,13 +58,12 @@ from dflash_train.train.run import (
     open_logger,
     run_info_failure,
     run_result,
-    save,
     save_due,
     save_due_at,
-    settle_saves,
     total_steps,
     write_run_info,
 )
+from dflash_train.train.split_saves import save_with_targets, settle_with_targets
 from dflash_train.train.split_stream import (
     FeatureReceiver,
     FeatureSender,
@@ -75,7 +73,6 @@ from dflash_train.train.split_stream import (
     exchange_reports,
     pack_batch,
     pipeline_depth,
-    position_mismatch,
     report_step,
     share_data_info,
     share_position_check,
@@ -313,12 +310,12 @@ def run_drafter_rank(
                         logger.log(run.step, row)
                     logger.advance(run.step)
                     if save_due(run, stopping):
-                        saved = save_with_targets(run, ctx, reports)
+                        saved = save_with_targets(run, ctx.layout, reports)
                     if stopping:
                         drain(run, ctx)
                         log_main(f"stop requested: saved {saved} at step {run.step}; exiting")
                         break
-            settle_with_targets(run, ctx)  # the last save's failure, if any, stops every rank here
+            settle_with_targets(run, ctx.layout)  # the last save's failure, if any, stops every rank here
         finally:
             run.writer.close()  # the last checkpoint is committed before the export and the exit
         export = export_final(run) if run.step >= run.total_steps else None
@@ -454,7 +451,7 @@ def drain(run: Run, ctx: DrafterContext) -> None:
             ctx.receiver.wait(work)
 
 
-# ----------------------------------------------------------------------------- logging and checkpoints
+# ----------------------------------------------------------------------------- logging
 
 
 def split_log_row(run: Run, result: dict, window: LogWindow, timer: PhaseTimer, reports) -> dict[str, Any]:
@@ -469,41 +466,3 @@ def split_log_row(run: Run, result: dict, window: LogWindow, timer: PhaseTimer, 
             f"split step {run.step}: bottleneck {side} (target busy {row['split_target_busy_frac']:.0%}, drafter busy {row['split_drafter_busy_frac']:.0%}, queue depth max {row['split_queue_depth_max']})",
         )
     return row
-
-
-def save_with_targets(run: Run, ctx: DrafterContext, reports) -> Path:
-    """Drafter ranks: ``run.save``, whose outcome the target ranks learn (``share_save_outcome``),
-    once every rank agreed that the data positions match (``share_position_check``)."""
-    mismatch = position_mismatch(run.step, run.data.state_dict(), reports) if run.info.is_main else None
-    share_position_check(ctx.layout, run.info.device, mismatch)
-    error = None
-    try:
-        path = save(run, **split_train_state(run, ctx, reports))
-    except space.CheckpointWriteError as err:  # raised on every drafter rank together (the save's votes)
-        error = err
-    share_save_outcome(ctx.layout, run.info.device, error)
-    return path
-
-
-def settle_with_targets(run: Run, ctx: DrafterContext) -> None:
-    """Drafter ranks, after the loop: wait for the last save's commit; every rank learns its outcome."""
-    error = None
-    try:
-        settle_saves(run)
-    except space.CheckpointWriteError as err:  # raised on every drafter rank together
-        error = err
-    share_save_outcome(ctx.layout, run.info.device, error)
-
-
-def split_train_state(run: Run, ctx: DrafterContext, reports) -> dict[str, Any]:
-    """The split part of a checkpoint's train state (drafter rank 0; {} elsewhere); the positions
-    were checked by every rank together (``share_position_check``)."""
-    if not run.info.is_main:
-        return {}
-    positions = [r["data"] for r in reports if r["role"] == "target"]
-    split = {
-        "target_ranks": ctx.layout.num_target_ranks,
-        "drafter_ranks": ctx.layout.num_drafter_ranks,
-        "target_data": positions,
-    }
-    return {"split": split}
