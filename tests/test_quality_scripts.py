@@ -149,13 +149,13 @@ def test_the_synth_bundle_carries_prompts_heldout_files_and_state_to_a_fresh_mac
     }
     for name, text in files.items():
         (args.work / name).write_text(text)
-    monkeypatch.setattr(scale, "PART_BYTES", 64)  # several parts
-    scale.bundle_synth(args)
+    monkeypatch.setattr(scale.bundles, "PART_BYTES", 64)  # several parts
+    scale.bundles.bundle_synth(args)
     parts = sorted(p.name for p in args.out.iterdir())
     assert len(parts) > 1 and all(p.startswith("synth.part") for p in parts)
     fresh = scale_args(tmp_path, work=tmp_path / "fresh", synth_from=args.out)
     fresh.work.mkdir()
-    scale.restore_synth(fresh)
+    scale.bundles.restore_synth(fresh)
     assert {name: (fresh.work / name).read_text() for name in files} == files
 
 
@@ -186,13 +186,13 @@ def test_regenerated_rows_come_back_in_xz_parts_that_given_rows_joins(scale, tmp
     args = scale_args(tmp_path)
     args.work.mkdir()
     (args.work / "regen.jsonl").write_text(rows)
-    assert scale.bundle_rows(args, {"regen": {"done": 399, "total": 400}}) is None  # not finished yet
+    assert scale.bundles.bundle_rows(args, {"regen": {"done": 399, "total": 400}}) is None  # not finished yet
     status = {"regen": {"done": 400, "total": 400}}
-    scale.bundle_rows(args, status, part_bytes=50_000).wait()
+    scale.bundles.bundle_rows(args, status, part_bytes=50_000).wait()
     parts = sorted(args.out.glob("regen-rows.part*.jsonl.xz"))
     assert len(parts) >= 2 and all(p.stat().st_size <= 50_000 for p in parts)
     assert (args.out / "regen-rows.complete").exists()
-    assert scale.bundle_rows(args, status) is None  # once
+    assert scale.bundles.bundle_rows(args, status) is None  # once
 
     later = scale_args(tmp_path / "later", regen_rows=parts)
     later.work.mkdir(parents=True)
@@ -211,14 +211,14 @@ def test_a_job_cut_inside_regen_brings_back_its_complete_rows(scale, tmp_path):
     rows = "".join(json.dumps({"row": i}) + "\n" for i in range(5))
     (args.work / "regen.jsonl").write_text(rows + '{"row": 5, "te')
     status = {"regen": {"done": 5, "total": 9}}
-    scale.bundle_partial_rows(args, status, part_bytes=40)
+    scale.bundles.bundle_partial_rows(args, status, part_bytes=40)
     parts = sorted(args.out.glob("regen-partial-5.part*.jsonl.xz"))
     assert len(parts) >= 2 and status["regen_partial_rows"] == 5
     assert lzma.decompress(b"".join(p.read_bytes() for p in parts)).decode() == rows
     finished = scale_args(tmp_path / "finished")
     finished.work.mkdir(parents=True)
     (finished.work / "regen.jsonl").write_text(rows)
-    scale.bundle_partial_rows(finished, {"regen": {"done": 5, "total": 5}})
+    scale.bundles.bundle_partial_rows(finished, {"regen": {"done": 5, "total": 5}})
     assert not finished.out.exists()
 
 
