@@ -15,7 +15,7 @@ import torch
 from dflash_train.data.fingerprint import EDGE_BYTES, SMALL_FILE_BYTES, file_fingerprint
 from dflash_train.train import checkpoint as ckpt
 from dflash_train.train.trainer import train
-from tests.train_helpers import become_rank, spawn_ranks, tiny_config
+from tests.train_helpers import become_rank, rank_outcomes, spawn_ranks, tiny_config, train_and_record
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -162,7 +162,7 @@ def test_ranks_that_read_different_copies_of_a_file_are_stopped_before_training(
     out = tmp_path / "run"
     out.mkdir()
     spawn_ranks(rank_worker, (free_port(), own_data, str(shuffled), str(out)), nprocs=2, timeout_s=150)
-    outcomes = [(out / f"rank{r}.txt").read_text() for r in range(2)]
+    outcomes = rank_outcomes(out)
     assert outcomes[0] == outcomes[1], outcomes
     assert outcomes[0].startswith(
         f"the ranks read different data: rank 1: data file {shuffled} (rank 0: {own_data['data']}) differs "
@@ -182,11 +182,7 @@ def missing_copy_worker(rank: int, port: int, task: dict, out_dir: str) -> None:
             raise FileNotFoundError(f"{cfg.paths[0]}: no such file on this node")
 
         loader.load_or_build = no_file
-    try:
-        outcome = f"trained {train(tiny_config(task, out_dir, 'train.parallel=ddp'))['step']} steps"
-    except Exception as err:  # the outcome of each rank, whatever it is, is what the test compares
-        outcome = f"{type(err).__name__}: {err}"
-    Path(out_dir, f"rank{rank}.txt").write_text(outcome)
+    train_and_record(rank, task, out_dir, "train.parallel=ddp")
 
 
 def test_a_rank_that_cannot_read_the_data_stops_every_rank_with_its_error(own_data, tmp_path):
@@ -196,7 +192,7 @@ def test_a_rank_that_cannot_read_the_data_stops_every_rank_with_its_error(own_da
     out = tmp_path / "run"
     out.mkdir()
     spawn_ranks(missing_copy_worker, (free_port(), own_data, str(out)), nprocs=2, timeout_s=150)
-    outcomes = [(out / f"rank{r}.txt").read_text() for r in range(2)]
+    outcomes = rank_outcomes(out)
     assert outcomes[0] == outcomes[1], outcomes
     assert outcomes[0].startswith(
         f"ValueError: rank 1 could not read the data: FileNotFoundError: {own_data['data']}: no such file"

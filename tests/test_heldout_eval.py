@@ -13,7 +13,16 @@ import torch
 
 from dflash_train.config import load_config
 from dflash_train.train.run import TrainHooks
-from tests.train_helpers import WORDS, become_rank, logged_losses, spawn_ranks, tiny_config, tiny_overrides
+from tests.train_helpers import (
+    WORDS,
+    become_rank,
+    logged_losses,
+    rank_outcomes,
+    spawn_ranks,
+    tiny_config,
+    tiny_overrides,
+    train_and_record,
+)
 
 MAX_NEW_TOKENS = 24
 
@@ -359,7 +368,7 @@ def test_prompt_files_missing_on_one_rank_stop_every_rank_with_the_same_error(ta
     out = tmp_path / "run"
     out.mkdir()
     spawn_ranks(missing_file_worker, (free_port(), task, str(out), prompt_files), nprocs=2, timeout_s=150)
-    outcomes = [(out / f"rank{r}.txt").read_text() for r in range(2)]
+    outcomes = rank_outcomes(out)
     for outcome in outcomes:
         assert outcome.startswith("ValueError: eval.prompts: [") and "] not found on rank 1; fix" in outcome
     assert outcomes[0] == outcomes[1] and "rank 0" not in outcomes[0]
@@ -369,7 +378,6 @@ def export_best_fails_worker(rank: int, port: int, task: dict, out_dir: str, pro
     """Rank 0's write of ``export-best`` fails (a full disk); every rank writes how it ended."""
     become_rank(rank, 2, port)
     from dflash_train.train import heldout_eval
-    from dflash_train.train.trainer import train
 
     if rank == 0:
 
@@ -378,11 +386,7 @@ def export_best_fails_worker(rank: int, port: int, task: dict, out_dir: str, pro
 
         heldout_eval.write_export_best = full_disk
     extra = ["train.parallel=ddp", "train.max_steps=4", *eval_overrides(prompts, every_steps=3)]
-    try:
-        outcome = f"trained {train(tiny_config(task, out_dir, *extra))['step']} steps"
-    except Exception as err:  # the outcome of each rank, whatever it is, is what the test compares
-        outcome = f"{type(err).__name__}: {err}"
-    Path(out_dir, f"rank{rank}.txt").write_text(outcome)
+    train_and_record(rank, task, out_dir, *extra)
 
 
 def test_a_failed_export_best_stops_every_rank_with_its_error(task, prompt_files, tmp_path):
@@ -395,7 +399,7 @@ def test_a_failed_export_best_stops_every_rank_with_its_error(task, prompt_files
     spawn_ranks(
         export_best_fails_worker, (free_port(), task, str(out), prompt_files), nprocs=2, timeout_s=150
     )
-    outcomes = [(out / f"rank{r}.txt").read_text() for r in range(2)]
+    outcomes = rank_outcomes(out)
     assert outcomes[0] == outcomes[1], outcomes
     assert outcomes[0].startswith(
         "RuntimeError: eval: writing export-best of step 3 failed on rank 0: OSError:"

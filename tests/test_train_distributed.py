@@ -7,7 +7,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.train_helpers import become_rank, logged_losses, spawn_ranks, tiny_config, tiny_overrides
+from tests.train_helpers import (
+    become_rank,
+    logged_losses,
+    rank_outcomes,
+    spawn_ranks,
+    tiny_config,
+    tiny_overrides,
+    train_and_record,
+)
 
 
 def free_port() -> int:
@@ -78,7 +86,6 @@ def export_fails_worker(rank: int, port: int, task: dict, out_dir: str) -> None:
     """Rank 0's write of the final export fails (a full disk); every rank writes how it ended."""
     become_rank(rank, 2, port)
     from dflash_train.models import export
-    from dflash_train.train.trainer import train
 
     if rank == 0:
 
@@ -87,18 +94,13 @@ def export_fails_worker(rank: int, port: int, task: dict, out_dir: str) -> None:
 
         export.save_drafter = full_disk
     extra = ["train.parallel=ddp", "train.max_steps=2"]
-    try:
-        outcome = f"trained {train(tiny_config(task, out_dir, *extra))['step']} steps"
-    except Exception as err:  # the outcome of each rank, whatever it is, is what the test compares
-        outcome = f"{type(err).__name__}: {err}"
-    Path(out_dir, f"rank{rank}.txt").write_text(outcome)
+    train_and_record(rank, task, out_dir, *extra)
 
 
 def run_info_fails_worker(rank: int, port: int, task: dict, out_dir: str) -> None:
     """Rank 0 cannot write config.yaml at the start (a read-only or full output_dir)."""
     become_rank(rank, 2, port)
     from dflash_train.config import RunConfig
-    from dflash_train.train.trainer import train
 
     if rank == 0:
         to_yaml = RunConfig.to_yaml
@@ -109,11 +111,7 @@ def run_info_fails_worker(rank: int, port: int, task: dict, out_dir: str) -> Non
             return to_yaml(self)
 
         RunConfig.to_yaml = read_only
-    try:
-        outcome = f"trained {train(tiny_config(task, out_dir, 'train.parallel=ddp', 'train.max_steps=2'))['step']} steps"
-    except Exception as err:  # the outcome of each rank, whatever it is, is what the test compares
-        outcome = f"{type(err).__name__}: {err}"
-    Path(out_dir, f"rank{rank}.txt").write_text(outcome)
+    train_and_record(rank, task, out_dir, "train.parallel=ddp", "train.max_steps=2")
 
 
 def test_a_failed_run_info_write_stops_every_rank_with_its_error(task, tmp_path):
@@ -122,7 +120,7 @@ def test_a_failed_run_info_write_stops_every_rank_with_its_error(task, tmp_path)
     out = tmp_path / "run"
     out.mkdir()
     spawn_ranks(run_info_fails_worker, (free_port(), task, str(out)), nprocs=2, timeout_s=150)
-    outcomes = [(out / f"rank{r}.txt").read_text() for r in range(2)]
+    outcomes = rank_outcomes(out)
     assert outcomes[0] == outcomes[1], outcomes
     assert outcomes[0].startswith(
         f"RuntimeError: writing config.yaml and run_info.json to {out} failed: PermissionError:"
@@ -135,7 +133,7 @@ def test_a_failed_export_stops_every_rank_with_its_error(task, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     spawn_ranks(export_fails_worker, (free_port(), task, str(out)), nprocs=2, timeout_s=150)
-    outcomes = [(out / f"rank{r}.txt").read_text() for r in range(2)]
+    outcomes = rank_outcomes(out)
     assert outcomes[0] == outcomes[1], outcomes
     assert outcomes[0].startswith("RuntimeError: writing the export of step 2 failed on rank 0: OSError:")
 

@@ -106,6 +106,23 @@ def become_rank(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
 
 
+def train_and_record(rank: int, task: dict, out_dir: str, *overrides: str) -> None:
+    """Inside a spawned worker: train the tiny run and write how this rank ended to
+    ``out_dir/rank{rank}.txt`` ("trained N steps", or the error's type and message)."""
+    from dflash_train.train.trainer import train
+
+    try:
+        outcome = f"trained {train(tiny_config(task, out_dir, *overrides))['step']} steps"
+    except Exception as err:  # the outcome of each rank, whatever it is, is what the test compares
+        outcome = f"{type(err).__name__}: {err}"
+    Path(out_dir, f"rank{rank}.txt").write_text(outcome)
+
+
+def rank_outcomes(out_dir, world: int = 2) -> list[str]:
+    """What each rank wrote to ``out_dir/rank{r}.txt``."""
+    return [(Path(out_dir) / f"rank{r}.txt").read_text() for r in range(world)]
+
+
 def _bounded_worker(index: int, fn, dump_after_s: float, *args) -> None:
     # A wedged rank prints every thread's stack and exits, so the test fails with the place it hung.
     faulthandler.dump_traceback_later(dump_after_s, exit=True, file=sys.stderr)
