@@ -3,7 +3,7 @@
 They live here, below ``config.py``, because models/ names them in its signatures while
 ``config.py`` validates a recipe against the model presets: the imports then run one way,
 config -> models. ``dflash_train.config`` re-exports both as part of the one config tree; the
-cross-field checks stay in ``config_checks.validate``.
+cross-field checks stay in ``config.validate``.
 """
 
 from __future__ import annotations
