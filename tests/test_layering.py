@@ -17,6 +17,7 @@ LAYERS = {
     "dflash_train": 0,
     "models": 0,
     "config": 1,
+    "config_parsing": 1,  # the recipe mapping -> dataclasses, beside config
     "hashing": 0,
     "tiny": 2,  # tiny tokenizer and targets in code, built on models.presets
     "generate": 2,  # the target's batched generation, used by data (synth, regen) and eval
