@@ -89,3 +89,15 @@ def test_qwen36_drafter_preset_resolves_to_design_shape():
     assert d.layer_types == ["sliding_attention"] * 4 + ["full_attention"] and d.sliding_window == 2048
     assert d.mask_token_id == 248070 and d.block_size == 16 and d.rope_theta == 1e7
     assert d.target_layer_ids == [1, 16, 31, 46, 61] and d.vocab_size == 248320 and d.num_target_layers == 64
+
+
+def test_a_run_by_epochs_trains_every_micro_batch_but_the_last_remainder():
+    """The loader's stream crosses epochs, so 3 epochs of 5 micro-batches at 2 a step are 7 steps
+    (14 of the 15 trained), not 3 x (5 // 2) = 6 with one micro-batch of every epoch left out."""
+    from dflash_train.train.run import total_steps
+
+    cfg = load_config("tiny-cpu", ["train.max_steps=0", "train.num_epochs=3", "train.grad_accum=2"])
+    assert total_steps(cfg, 5) == 7
+    cfg = load_config("tiny-cpu", ["train.max_steps=0", "train.num_epochs=1", "train.grad_accum=2"])
+    with pytest.raises(ValueError, match="fewer than train.grad_accum=2"):
+        total_steps(cfg, 1)

@@ -88,11 +88,13 @@ class Run:
 
 def total_steps(cfg: RunConfig, steps_per_epoch: int) -> int:
     """Optimizer steps of the run: ``train.max_steps``, or whole epochs of ``steps_per_epoch``
-    micro-batches per rank."""
-    total = cfg.train.max_steps or cfg.train.num_epochs * (steps_per_epoch // cfg.train.grad_accum)
+    micro-batches per rank, ``train.grad_accum`` to a step. The loader's stream crosses epoch
+    boundaries, so a step may take micro-batches of two epochs and only the last epoch's remainder
+    (fewer than ``grad_accum``) goes untrained, not one remainder per epoch."""
+    total = cfg.train.max_steps or cfg.train.num_epochs * steps_per_epoch // cfg.train.grad_accum
     if total < 1:
         raise ValueError(
-            f"the data gives {steps_per_epoch} micro-batches per epoch per rank, fewer than train.grad_accum={cfg.train.grad_accum}: add data, lower grad_accum or set train.max_steps."
+            f"the data gives {steps_per_epoch} micro-batches per epoch per rank, {cfg.train.num_epochs} epoch(s) of them fewer than train.grad_accum={cfg.train.grad_accum}: add data, lower grad_accum or set train.max_steps."
         )
     return total
 
