@@ -30,8 +30,13 @@ case "${1:-}" in
     fi
     if [ ! -f "$tmp/smol/config.json" ]; then
       cat "$tmp/smol-src/a.part" .dev/gguf-b/part > "$tmp/smol-src/model.gguf"
-      PYTHONPATH="$tmp/site${PYTHONPATH:+:$PYTHONPATH}" \
-        python3 .dev/gguf-b/real-target-convert.py "$tmp/smol-src" model.gguf "$tmp/smol"
+      if ! PYTHONPATH="$tmp/site${PYTHONPATH:+:$PYTHONPATH}" \
+        python3 .dev/gguf-b/real-target-convert.py "$tmp/smol-src" model.gguf "$tmp/smol"; then
+        rm -rf "$tmp/smol"
+        echo "the target's conversion failed; it needs the pure-Python gguf package, which the GPU machine lacks:"
+        echo "../shared/tools/gpu-wheels.sh gguf puts its wheel in .whl/, carried in this call"
+        exit 1
+      fi
     fi
     rm -rf "$tmp/job" && mkdir -p "$tmp/job"
     # what a call's working copy carries, less the parts and wheels (and local environments and runs)

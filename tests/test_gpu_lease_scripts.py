@@ -92,3 +92,19 @@ def test_the_target_is_assembled_from_calls_of_their_own_and_the_tree_copied_wit
     assert (tmp / "smol" / "config.json").read_bytes() == b"first half|second half"
     assert (tmp / "smol-src" / "conversions").read_text() == "1"
     assert (tmp / "job" / "scripts" / "job.py").is_file() and not (tmp / "job" / ".dev").exists()
+
+
+def test_a_failed_conversion_says_what_the_converter_needs_and_leaves_no_half_target(tmp_path):
+    """The converter imports gguf, which the GPU machine lacks unless its wheel is carried: a lease's
+    third call once failed with only the converter's traceback."""
+    repo, tmp = tmp_path / "repo", tmp_path / "tmp"
+    (repo / ".dev" / "gguf-a").mkdir(parents=True)
+    (repo / ".dev" / "gguf-b").mkdir()
+    (repo / ".dev" / "gguf-a" / "part").write_bytes(b"a")
+    (repo / ".dev" / "gguf-b" / "part").write_bytes(b"b")
+    failing = "import pathlib, sys\npathlib.Path(sys.argv[3]).mkdir(parents=True)\nsys.exit(1)\n"
+    (repo / ".dev" / "gguf-b" / "real-target-convert.py").write_text(failing)
+    assert setup("part-a", repo, tmp).returncode == 0
+    failed = setup("target", repo, tmp)
+    assert failed.returncode == 1 and "gpu-wheels.sh gguf" in failed.stdout
+    assert not (tmp / "smol").exists()  # the next call converts again instead of using a half target
