@@ -44,6 +44,8 @@ import tarfile
 import time
 from pathlib import Path
 
+from gpu_bundles import PART_BYTES  # a call brings back files of at most 16 MiB
+
 REPO = Path(__file__).resolve().parents[1]
 HANDWRITTEN = REPO / "evalsets" / "handwritten.jsonl"
 
@@ -425,10 +427,7 @@ def write_results(args: argparse.Namespace, summary: dict, names: list[str], rep
     bundle_exports(args, names)
 
 
-EXPORT_PART_BYTES = 15 * 2**20  # a call brings back files of at most 16 MiB
-
-
-def bundle_exports(args: argparse.Namespace, names: list[str], part_bytes: int = EXPORT_PART_BYTES) -> None:
+def bundle_exports(args: argparse.Namespace, names: list[str], part_bytes: int = PART_BYTES) -> None:
     """Each run's newest export (``export`` once finished, else ``export-partial``) as an uncompressed
     tar in parts, ``export-NAME.partNN.tar`` under --out, so that the drafter a lease trained outlives
     the machine: ``cat export-NAME.part*.tar | tar x`` gives ``export-NAME/`` (for eval, serve-check,
