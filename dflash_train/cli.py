@@ -51,7 +51,7 @@ def cmd_demo(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     from dflash_train.eval.command import run_eval
-    from dflash_train.eval.options import EvalOptions
+    from dflash_train.eval.options import EvalOptions, parse_key_sizes
 
     options = EvalOptions(
         target=args.target,
@@ -63,7 +63,7 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
         thinking=args.thinking,
         baseline=args.baseline,
         ngram_n=args.ngram_n,
-        ngram_min_match=args.ngram_min_match,
+        ngram_min_match=parse_key_sizes(args.ngram_min_match),
         ngram_max_draft=args.ngram_max_draft,
         ddtree_budget=args.ddtree_budget,
         ddtree_topk=args.ddtree_topk,
@@ -211,10 +211,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ngram-n", type=int, default=3)
     p.add_argument(
         "--ngram-min-match",
-        type=int,
-        default=3,
+        default="3",
         help="exact mode, ngram+dflash (llama.cpp's ngram-simple rule): draft by prompt lookup when the "
-        "last M tokens occurred earlier (--spec-ngram-simple-size-n M)",
+        "last M tokens occurred earlier (--spec-ngram-simple-size-n M); a comma list (3,4,6,8) sweeps "
+        "it in one run, each further key size K as the method ngram+dflash@K",
     )
     p.add_argument(
         "--ngram-max-draft",

@@ -166,6 +166,36 @@ def test_serving_md_states_the_evals_numbers_and_picks(tmp_path, combined_tau, p
     assert "Measure it on yours" in notes and "--spec-ngram-simple-size-n 3" in notes
 
 
+@pytest.mark.parametrize(
+    ("swept_taus", "served", "pick"),
+    [((2.6, 3.0, 2.9), 6, "Serve the combination: 1.20x"), ((2.4, 2.4, 2.3), 3, "drafter alone")],
+)
+def test_serving_md_serves_the_best_key_size_of_a_sweep(tmp_path, swept_taus, served, pick):
+    """An eval that swept the key size (``--ngram-min-match 3,6,8``): SERVING.md serves the key size
+    with the highest tau (the first on a tie), states that tau and lists every key size's; a sweep
+    it cannot read leaves the advice to measure."""
+    config = tiny_drafter_config()
+    out = tmp_path / "export"
+    out.mkdir()
+    names = {"ngram+dflash": 3, "ngram+dflash@6": 6, "ngram+dflash@8": 8}
+    record = {
+        "tau": 2.5, "ngram_tau": 2.0, "ngram_dflash_tau": swept_taus[0], "num_prompts": 300,
+        "ngram_min_match": 3, "ngram_max_draft": 7, "ngram_dflash_key_sizes": names,
+        "methods": {name: {"tau": tau} for name, tau in zip(names, swept_taus, strict=True)},
+    }  # fmt: skip
+    (out / "eval.json").write_text(json.dumps(record))
+    notes = (save_drafter(DFlashDrafter(config), config, out) / "SERVING.md").read_text()
+    assert f"--spec-ngram-simple-size-n {served} --spec-ngram-simple-size-m 7" in notes
+    best = max(swept_taus)
+    assert f"{best:.3f} with ngram-simple first (key size {served}, the flags above" in notes
+    listed = ", ".join(f"{k}: {t:.3f}" for k, t in zip((3, 6, 8), swept_taus, strict=True))
+    assert listed in notes and pick in notes
+    del record["methods"]["ngram+dflash@8"]
+    (out / "eval.json").write_text(json.dumps(record))
+    notes = (save_drafter(DFlashDrafter(config), config, out) / "SERVING.md").read_text()
+    assert "Measure it on yours" in notes and "--spec-ngram-simple-size-n 3" in notes
+
+
 def test_all_full_layers_need_no_v2_runner_and_warnings_are_written(tmp_path):
     full = tiny_drafter_config(layer_types=["full_attention"] * 2)
     notes = (save_drafter(DFlashDrafter(full), full, tmp_path / "a") / "SERVING.md").read_text()

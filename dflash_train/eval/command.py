@@ -60,17 +60,27 @@ def run_eval(options: EvalOptions) -> dict[str, Any]:
         "tau_mode": options.resolved_tau_mode,
         "draft_p_min": options.draft_p_min,
         "ngram_n": options.ngram_n,  # also the loop test of the diagnosis
-        "ngram_min_match": options.ngram_min_match if "ngram+dflash" in options.exact_methods else None,
-        "ngram_max_draft": (
-            options.ngram_max_draft or drafter.config.num_verify_tokens - 1
-            if "ngram+dflash" in options.exact_methods
-            else None
-        ),
+        **lookup_fields(options, drafter.config.num_verify_tokens),
         **engine_fields(measured["decode_report"]),
     }
     result = finish_report(measured, files, options, drafter.config.num_verify_tokens, extra)
     refresh_serving_notes(options, drafter.config)
     return result
+
+
+def lookup_fields(options: EvalOptions, block_size: int) -> dict[str, Any]:
+    """``ngram_min_match`` and the resolved ``ngram_max_draft`` of ``ngram+dflash`` (None where it
+    did not run); with a key-size sweep also ``ngram_dflash_key_sizes``, method name -> key size of
+    every lookup-first method, which SERVING.md reads to serve the best of them
+    (``models/serving.py``). A single key size adds nothing: its record stays what it always was."""
+    combined = "ngram+dflash" in options.exact_methods
+    fields: dict[str, Any] = {
+        "ngram_min_match": options.ngram_min_match[0] if combined else None,
+        "ngram_max_draft": (options.ngram_max_draft or block_size - 1) if combined else None,
+    }
+    if len(options.ngram_min_match) > 1:
+        fields["ngram_dflash_key_sizes"] = options.combined_key_sizes
+    return fields
 
 
 def refresh_serving_notes(options: EvalOptions, config) -> None:
@@ -186,7 +196,7 @@ def exact_mode(
     result = exact_measure(
         frozen, drafter, prompts, continuations,
         max_new_tokens=options.max_new_tokens, eos_token_ids=eos, methods=options.exact_methods,
-        ngram_n=options.ngram_n, ngram_min_match=options.ngram_min_match,
+        ngram_n=options.ngram_n, ngram_min_match=options.ngram_min_match[0],
         ngram_max_draft=options.ngram_max_draft,
         ddtree_budget=options.ddtree_budget, ddtree_topk=options.ddtree_topk,
         drafter_batch_tokens=options.drafter_batch_tokens, pad_token_id=pad,

@@ -14,7 +14,7 @@ or precomputed: the target is frozen, so in-training eval generates them once):
    pins training-mode block logits == inference-mode block logits); the target's LM head turns
    block positions 1..B-1 into argmax drafts (and top-K log-probs for DDTree), chunk by chunk;
 3. simulation on the host for DFlash, n-gram, DDTree and ``ngram+dflash`` (prompt lookup first,
-   the drafter otherwise), and the diagnosis of the DFlash drafts (``eval/diagnosis.py``: the
+   the drafter otherwise; ``ngram+dflash@K`` the same at key size K), and the diagnosis of the DFlash drafts (``eval/diagnosis.py``: the
    training metric over every anchor, tau inside / outside repetition loops, after a rejection).
 
 Because the drafter only ever sees features of accepted positions, and those are positions of the
@@ -36,6 +36,7 @@ import torch
 from dflash_train.eval.ddtree import check_tree_variant
 from dflash_train.eval.diagnosis import BlockStats, diagnose_request, summarize_diagnosis
 from dflash_train.eval.generate import length_sorted_batches
+from dflash_train.eval.ngram_simple import COMBINED_METHOD, swept_key_size
 from dflash_train.eval.simulate import (
     request_limit,
     simulate_chain,
@@ -47,8 +48,14 @@ from dflash_train.eval.speculative import Generation
 from dflash_train.eval.summary import summarize_rounds
 from dflash_train.models.variant import get_variant
 
-EXACT_METHODS = ("dflash", "ngram", "ddtree", "ngram+dflash")
-DRAFTER_METHODS = ("dflash", "ddtree", "ngram+dflash")  # the methods that need the drafter pass
+# Besides these, ``ngram+dflash@K`` for any key size K >= 1 (``ngram_simple.combined_methods``).
+EXACT_METHODS = ("dflash", "ngram", "ddtree", COMBINED_METHOD)
+DRAFTER_METHODS = ("dflash", "ddtree", COMBINED_METHOD)  # the methods that need the drafter pass
+
+
+def needs_drafter(method: str) -> bool:
+    """Whether ``method``'s simulation reads the drafter's blocks (every method but the n-gram)."""
+    return method in DRAFTER_METHODS or swept_key_size(method) is not None
 
 
 @dataclass
@@ -244,11 +251,14 @@ def exact_measure(
     """Every method's simulated rounds on every prompt, and (``diagnose`` with ``dflash`` among
     ``methods``) the diagnosis of the DFlash drafts, loops judged by n-gram lookup with ``ngram_n``.
     ``ngram_min_match`` and ``ngram_max_draft`` (0 = B-1) are the key size and the draft limit of
-    ``ngram+dflash``'s lookup (``simulate.simulate_ngram_then_dflash``: llama.cpp's ngram-simple).
+    ``ngram+dflash``'s lookup (``simulate.simulate_ngram_then_dflash``: llama.cpp's ngram-simple);
+    ``ngram+dflash@K`` among ``methods`` is the same lookup with key size K, from the same drafts.
     ``on_progress(phase, num_done, running_tau)`` reports progress."""
-    unknown = [m for m in methods if m not in EXACT_METHODS]
+    unknown = [m for m in methods if m not in EXACT_METHODS and swept_key_size(m) is None]
     if unknown:
-        raise ValueError(f"unknown eval methods {unknown}; use some of {list(EXACT_METHODS)}")
+        raise ValueError(
+            f"unknown eval methods {unknown}; use some of {list(EXACT_METHODS)} or ngram+dflash@K (K >= 1)"
+        )
     if "ddtree" in methods and ddtree_budget < 1:
         raise ValueError("method 'ddtree' needs ddtree_budget >= 1 (--ddtree-budget N)")
     if len(prompts) != len(continuations):
@@ -257,7 +267,7 @@ def exact_measure(
     check_tree_variant("ddtree" in methods, config)
     timings: dict[str, float] = {"features": 0.0, "drafter": 0.0, "simulation": 0.0}
     drafts: list[AnchorDrafts | None] = [None] * len(prompts)
-    if any(m in DRAFTER_METHODS for m in methods):
+    if any(needs_drafter(m) for m in methods):
         drafts = draft_all(
             as_frozen_target(target, config.target_layer_ids),
             drafter,
@@ -348,7 +358,9 @@ def simulate_method(
     ngram_max_draft: int = 0,
     on_progress: Callable[[str, int, float | None], None] | None = None,
 ) -> list[Generation]:
-    """Host simulation of ``method`` on every prompt (``eval/simulate.py``)."""
+    """Host simulation of ``method`` on every prompt (``eval/simulate.py``); ``ngram+dflash@K`` is
+    ``ngram+dflash`` with key size K instead of ``ngram_min_match``."""
+    key_size = swept_key_size(method)
     generations = []
     for i, continuation in enumerate(continuations):
         common = {"block_size": block_size, "max_new_tokens": max_new_tokens, "eos_token_ids": eos_token_ids}
@@ -362,11 +374,11 @@ def simulate_method(
                 budget=ddtree_budget,
                 **common,
             )
-        elif method == "ngram+dflash":
+        elif method == COMBINED_METHOD or key_size is not None:
             tokens = drafts[i].tokens.tolist()
             gen = simulate_ngram_then_dflash(
-                prompts[i], continuation, lambda out, t=tokens: t[out - 1], key_size=ngram_min_match,
-                max_draft=ngram_max_draft, **common,
+                prompts[i], continuation, lambda out, t=tokens: t[out - 1],
+                key_size=key_size or ngram_min_match, max_draft=ngram_max_draft, **common,
             )  # fmt: skip
         else:
             tokens = drafts[i].tokens.tolist()

@@ -20,11 +20,36 @@ sequence ``ids[:length]`` whose last token is the one just sampled:
 So a loop of period p <= n is never copied (its latest occurrence leaves p - 1 < n tokens), a
 longer loop is copied p - 1 tokens at a time, and a round drafts up to m tokens, more than the
 drafter's block when m > B - 1.
+
+The eval can measure the combination at several key sizes in one run (``--ngram-min-match 3,4,6``):
+the drafts are computed once and each key size is a host simulation. The first key size keeps the
+name ``ngram+dflash``, which every earlier ``eval.json``, SERVING.md and serve-check know; each
+further key size K is the method ``ngram+dflash@K`` (``combined_methods``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+COMBINED_METHOD = "ngram+dflash"
+
+
+def combined_methods(key_sizes: Sequence[int]) -> dict[str, int]:
+    """The lookup-first methods of a key-size sweep, method name -> key size: ``ngram+dflash`` for
+    the first, ``ngram+dflash@K`` for each further K. ``@`` reads "at key size"; it is no separator
+    the eval uses elsewhere (``+`` joins the combined drafters, ``/`` the file in training metrics)."""
+    first, *more = key_sizes
+    return {COMBINED_METHOD: first, **{f"{COMBINED_METHOD}@{k}": k for k in more}}
+
+
+def swept_key_size(method: str) -> int | None:
+    """K of a method named ``ngram+dflash@K`` (K >= 1); None for every other name, ``ngram+dflash``
+    included (its key size is the run's first, passed beside the method names)."""
+    base, at, key = method.partition("@")
+    if base != COMBINED_METHOD or not at or not key.isdecimal():
+        return None
+    size = int(key)
+    return size if size >= 1 and method == f"{COMBINED_METHOD}@{size}" else None  # one spelling: no @03
 
 
 def ngram_simple_draft(ids: Sequence[int], length: int, key_size: int, max_draft: int) -> list[int]:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+
+from dflash_train.eval.ngram_simple import combined_methods
 
 TAU_MODES = ("auto", "exact", "decode")
 DECODE_ENGINES = ("auto", "static", "dynamic")  # eval/engines.py
@@ -35,8 +38,9 @@ class EvalOptions:
     # Exact mode with --baseline ngram also reports ``ngram+dflash``, by llama.cpp's rule for
     # ``--spec-type ngram-simple,draft-dflash`` (docs/evaluation.md): a round drafts by prompt lookup
     # when the last this-many tokens occurred earlier (``--spec-ngram-simple-size-n``), else with the
-    # drafter.
-    ngram_min_match: int = 3
+    # drafter. The first key size is ``ngram+dflash``; each further K adds ``ngram+dflash@K``, the
+    # same simulation with key size K (one eval, the drafts computed once: ``--ngram-min-match 3,4,6``).
+    ngram_min_match: tuple[int, ...] = (3,)
     # ... and copies at most this many tokens per lookup round (``--spec-ngram-simple-size-m``);
     # 0 = the drafter's B-1.
     ngram_max_draft: int = 0
@@ -96,7 +100,7 @@ class EvalOptions:
             raise ValueError(f"thinking={self.thinking!r}: use one of {list(THINKING)}")
         if self.baseline not in ("none", "ngram"):
             raise ValueError(f"baseline={self.baseline!r}: use 'none' or 'ngram'")
-        for name in ("max_new_tokens", "ngram_n", "ngram_min_match", "ddtree_topk", "drafter_batch_tokens"):
+        for name in ("max_new_tokens", "ngram_n", "ddtree_topk", "drafter_batch_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)}: use >= 1")
         non_negative = ("num_prompts", "ddtree_budget", "decode_prompts", "batch_size", "max_bad_rows")
@@ -109,6 +113,34 @@ class EvalOptions:
             raise ValueError(f"draft_p_min={self.draft_p_min}: use a probability in [0, 1] (0 = full blocks)")
         if self.ddtree_budget > 0 and self.temperature > 0:
             raise ValueError("DDTree is greedy only: use --temperature 0 with --ddtree-budget")
+        self._check_key_sizes()
+
+    def _check_key_sizes(self) -> None:
+        """``ngram_min_match``: a non-empty tuple of distinct ints >= 1; several only where
+        ``ngram+dflash`` runs (elsewhere the sweep would be dropped without a word)."""
+        sizes = self.ngram_min_match
+        if not isinstance(sizes, tuple) or not sizes or any(type(k) is not int for k in sizes):
+            raise TypeError(
+                f"ngram_min_match={sizes!r}: give a non-empty tuple of ints, e.g. (3,) or (3, 4, 6, 8) "
+                "(--ngram-min-match 3 or 3,4,6,8)"
+            )
+        for size in sizes:
+            if size < 1:
+                raise ValueError(
+                    f"ngram_min_match={size}: use >= 1 for every key size (--ngram-min-match 3,4,6)"
+                )
+        repeated = sorted({k for k in sizes if sizes.count(k) > 1})
+        if repeated:
+            raise ValueError(
+                f"--ngram-min-match {format_key_sizes(sizes)} gives key size {format_key_sizes(repeated)} more "
+                "than once: list each key size once"
+            )
+        if len(sizes) > 1 and (self.baseline != "ngram" or self.resolved_tau_mode != "exact"):
+            raise ValueError(
+                f"--ngram-min-match {format_key_sizes(sizes)} sweeps the key size of ngram+dflash, which "
+                "only exact mode with --baseline ngram reports: add --baseline ngram (at --temperature 0, "
+                "--tau-mode exact or auto), or give one key size"
+            )
 
     @property
     def resolved_tau_mode(self) -> str:
@@ -129,12 +161,34 @@ class EvalOptions:
     @property
     def exact_methods(self) -> list[str]:
         """The methods exact mode simulates: ``methods`` plus ``ngram+dflash`` (prompt lookup first,
-        the drafter otherwise) beside the n-gram baseline. Exact mode only: no real decoding of it."""
+        the drafter otherwise) and the further key sizes' ``ngram+dflash@K`` beside the n-gram
+        baseline. Exact mode only: no real decoding of them."""
         if self.baseline != "ngram":
             return self.methods
         at = self.methods.index("ngram") + 1
-        return [*self.methods[:at], "ngram+dflash", *self.methods[at:]]
+        return [*self.methods[:at], *self.combined_key_sizes, *self.methods[at:]]
+
+    @property
+    def combined_key_sizes(self) -> dict[str, int]:
+        """The lookup-first methods, name -> ngram-simple key size (``ngram_simple.combined_methods``)."""
+        return combined_methods(self.ngram_min_match)
 
     @property
     def thinking_flag(self) -> bool | None:
         return THINKING[self.thinking]
+
+
+def parse_key_sizes(text: str) -> tuple[int, ...]:
+    """``--ngram-min-match``'s value, one key size or a comma-separated list ("3" or "3,4,6,8")."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(re.fullmatch(r"-?[0-9]+", part) for part in parts):
+        raise ValueError(
+            f"--ngram-min-match {text!r}: give integer key sizes separated by commas, e.g. "
+            "--ngram-min-match 3 or --ngram-min-match 3,4,6,8"
+        )
+    return tuple(int(part) for part in parts)
+
+
+def format_key_sizes(sizes) -> str:
+    """Key sizes as ``--ngram-min-match`` takes them: "3,4,6"."""
+    return ",".join(str(k) for k in sizes)

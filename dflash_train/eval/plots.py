@@ -23,6 +23,26 @@ METHOD_COLORS = {"dflash": "C0", "ngram": "C1", "ddtree": "C2", "ngram+dflash": 
 PANEL_COLUMNS = 3
 
 
+def method_label(method: str) -> str:
+    """A method's printed name: ``METHOD_LABELS``', with the key-size sweep's ``@K`` kept
+    (``ngram+dflash@6`` -> ``n-gram+DFlash@6``)."""
+    base, at, key_size = method.partition("@")
+    return METHOD_LABELS.get(base, base) + at + key_size
+
+
+def method_styles(methods: Sequence[str]) -> dict[str, dict[str, str]]:
+    """Line style and color of each method: a sweep's ``ngram+dflash@K`` draws in ``ngram+dflash``'s
+    line style, each in a color of its own after the fixed ones (C4, C5, ...), so that a panel tells
+    the key sizes apart."""
+    styles, num_extra = {}, 0
+    for method in methods:
+        color = METHOD_COLORS.get(method)
+        if color is None:
+            color, num_extra = f"C{len(METHOD_COLORS) + num_extra}", num_extra + 1
+        styles[method] = {"linestyle": METHOD_STYLES.get(method.partition("@")[0], "-"), "color": color}
+    return styles
+
+
 def plot_acceptance(per_file: Sequence[dict[str, Any]], path: str | Path, *, title: str) -> str:
     """Write ``acceptance_figure(per_file)`` to ``path``; returns the path."""
     acceptance_figure(per_file, title=title).savefig(path, dpi=110)
@@ -54,12 +74,12 @@ def acceptance_figure(per_file: Sequence[dict[str, Any]], *, title: str):
 
 def draw_file_panel(ax, entry: dict[str, Any]) -> None:
     """One prompt file: acceptance of draft k by block position, per method, tau in the legend."""
+    styles = method_styles(list(entry["methods"]))
     for method, numbers in entry["methods"].items():
         accept = numbers.get("per_position_acceptance") or []
         tau = numbers.get("tau")
-        label = f"{METHOD_LABELS.get(method, method)} (tau {'-' if tau is None else f'{tau:.2f}'})"
-        style = {"linestyle": METHOD_STYLES.get(method, "-"), "color": METHOD_COLORS.get(method)}
-        ax.plot(range(1, len(accept) + 1), accept, marker="o", label=label, **style)
+        label = f"{method_label(method)} (tau {'-' if tau is None else f'{tau:.2f}'})"
+        ax.plot(range(1, len(accept) + 1), accept, marker="o", label=label, **styles[method])
     ax.set_title(Path(str(entry["file"])).name, fontsize=10)
     ax.set_xlabel("block position k")
     ax.set_ylabel("acceptance of draft k")

@@ -6,7 +6,9 @@ The flat result keeps the keys of earlier versions at top level for the overall 
 ``speedup``, ...) and adds ``per_file`` (the same numbers per prompt file), ``divergences``,
 ``lossless_up_to_ties``, ``timings``, ``tau_mode`` and, in exact mode, ``diagnosis``
 (``eval/diagnosis.py``: random-anchor tau, tau inside / outside repetition loops, accuracy after a
-rejected round) with ``random_anchor_tau`` and ``ngram_dflash_tau`` at top level.
+rejected round) with ``random_anchor_tau`` and ``ngram_dflash_tau`` at top level. A key-size
+sweep (``--ngram-min-match 3,4,6``) adds its methods ``ngram+dflash@K`` to ``methods`` (overall and
+per file), to the tables and to the figure, like every other method.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from dflash_train.eval.diagnosis import summarize_diagnosis
 from dflash_train.eval.plots import (
     ACCEPTANCE_PNG,
     EVAL_JSON,
-    METHOD_LABELS,
     acceptance_title,
+    method_label,
     plot_acceptance,
 )
 from dflash_train.eval.runner import summarize, summarize_plain
@@ -209,9 +211,9 @@ def print_tables(result: dict[str, Any]) -> None:
     methods = list(result["methods"])
     rows = [(f["file"], f) for f in result["per_file"]] + [("overall", result)]
     width = max(len(name) for name, _ in rows)
-    columns = [max(10, len(METHOD_LABELS[m]) + 4) for m in methods]
+    columns = [max(10, len(method_label(m)) + 4) for m in methods]
     header = f"{'prompts file':<{width}}  {'prompts':>7}  {'tokens':>8}  " + "  ".join(
-        f"{METHOD_LABELS[m] + ' tau':>{c}}" for m, c in zip(methods, columns, strict=True)
+        f"{method_label(m) + ' tau':>{c}}" for m, c in zip(methods, columns, strict=True)
     )
     lines = ["", f"eval ({result['tau_mode']} mode, {result['dtype']} on {result['device']})", header]
     for name, row in rows:
@@ -220,12 +222,14 @@ def print_tables(result: dict[str, Any]) -> None:
         )
         speed = f"  speedup {_fmt(row['speedup'])}x" if row.get("speedup") else ""
         lines.append(f"{name:<{width}}  {row['num_prompts']:>7}  {row['tokens'] or 0:>8}  {taus}{speed}")
+    if result.get("ngram_dflash_key_sizes"):
+        lines.append(key_size_line(result["ngram_dflash_key_sizes"], result["ngram_max_draft"]))
     lines.append("per-position acceptance (block positions 1..B-1):")
-    label_width = max(len(METHOD_LABELS[m]) for m in methods)
+    label_width = max(len(method_label(m)) for m in methods)
     for name, row in rows:
         for m in methods:
             accept = " ".join(f"{a:.2f}" for a in row["methods"][m]["per_position_acceptance"])
-            lines.append(f"  {name:<{width}}  {METHOD_LABELS[m]:<{label_width}} {accept}")
+            lines.append(f"  {name:<{width}}  {method_label(m):<{label_width}} {accept}")
     if result.get("diagnosis"):
         lines += diagnosis_lines(rows, width)
     lines += [divergence_line(d) for d in result["divergences"]]
@@ -233,6 +237,12 @@ def print_tables(result: dict[str, Any]) -> None:
     timings = ", ".join(f"{k} {v:.1f}s" for k, v in result["timings"].items())
     lines += [f"time: {timings}", ""]
     print("\n".join(lines), flush=True)
+
+
+def key_size_line(key_sizes: dict[str, int], max_draft: int) -> str:
+    """Which ngram-simple key size each lookup-first column of a key-size sweep ran with."""
+    columns = ", ".join(f"{method_label(m)} {k}" for m, k in key_sizes.items())
+    return f"ngram-simple key size (--spec-ngram-simple-size-n): {columns}; at most {max_draft} tokens per lookup round"
 
 
 def diagnosis_lines(rows, width: int) -> list[str]:

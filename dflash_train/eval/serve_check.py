@@ -271,7 +271,7 @@ def exact_eval(options: ServeCheckOptions, export: Path) -> dict[str, Any]:
     eval_options = EvalOptions(
         target=options.target_hf, drafter=str(export), prompts=list(options.prompts),
         max_new_tokens=options.max_new_tokens, baseline="ngram", dtype="float32",
-        ngram_min_match=options.ngram_min_match, ngram_max_draft=options.ngram_max_draft,
+        ngram_min_match=(options.ngram_min_match,), ngram_max_draft=options.ngram_max_draft,
         device=options.device, progress=False,
     )  # fmt: skip
     generations = measure(target_model, frozen, tokenizer, drafter, files, eval_options)["generations"]

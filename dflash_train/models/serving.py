@@ -20,6 +20,8 @@ llama.cpp gets two lines, built by the functions ``serve-check`` runs them with:
 ``ngram-simple`` prompt lookup first (``--spec-type ngram-simple,<the variant's spec type>``), the configuration
 the eval's ``ngram+dflash`` simulates. Which one to serve depends on the prompts: SERVING.md states
 the eval's numbers and the pick where ``eval.json`` in the export has them, else how to measure.
+Where that eval swept the lookup's key size (``--ngram-min-match 3,4,6``), SERVING.md serves the key
+size with the highest measured tau, and says so (``measured_lookup``).
 """
 
 from __future__ import annotations
@@ -134,7 +136,16 @@ def serving_warnings(config: DFlashDraftConfig) -> list[str]:
 def measured_lookup(export_dir: str | Path) -> dict | None:
     """The eval's numbers for the choice between the drafter alone and ngram-simple first, from
     ``export_dir/eval.json`` as ``dflash-train eval --baseline ngram --output-dir`` writes it: ``{tau,
-    ngram_tau, ngram_dflash_tau, num_prompts, lookup: (key size, draft limit)}``; None without them."""
+    ngram_tau, ngram_dflash_tau, num_prompts, lookup: (key size, draft limit), key_size_taus}``; None
+    without them.
+
+    With a key-size sweep (``ngram_dflash_key_sizes`` in the record) the lookup served is the key
+    size whose ``ngram+dflash`` method measured the highest tau (the first listed on a tie), and
+    ``ngram_dflash_tau`` is that method's tau: the flags SERVING.md writes are then always a
+    configuration the eval measured, with its own number. The choice is made on the eval's prompts,
+    so that number is the best of several measured on the same prompts (slightly optimistic for new
+    ones); SERVING.md lists every key size's tau so the margin is visible. ``key_size_taus`` is key
+    size -> tau, one entry without a sweep."""
     path = Path(export_dir) / EVAL_RECORD_NAME
     try:
         record = json.loads(path.read_text()) if path.is_file() else {}
@@ -143,13 +154,38 @@ def measured_lookup(export_dir: str | Path) -> dict | None:
     needed = ("tau", "ngram_dflash_tau", "ngram_min_match", "ngram_max_draft")
     if not isinstance(record, dict) or any(not isinstance(record.get(k), (int, float)) for k in needed):
         return None
+    key_size_taus = swept_lookup_taus(record)
+    if key_size_taus is None:
+        return None
+    best = max(key_size_taus, key=key_size_taus.__getitem__)  # max keeps the first of equal taus
     return {
         "tau": record["tau"],
         "ngram_tau": record.get("ngram_tau"),
-        "ngram_dflash_tau": record["ngram_dflash_tau"],
+        "ngram_dflash_tau": key_size_taus[best],
         "num_prompts": record.get("num_prompts"),
-        "lookup": (int(record["ngram_min_match"]), int(record["ngram_max_draft"])),
+        "lookup": (best, int(record["ngram_max_draft"])),
+        "key_size_taus": key_size_taus,
     }
+
+
+def swept_lookup_taus(record: dict) -> dict[int, float] | None:
+    """Key size -> tau of every lookup-first method the eval record holds, in the eval's order:
+    ``ngram_min_match`` alone without a sweep; with one, every method of ``ngram_dflash_key_sizes``
+    (method name -> key size) read from ``methods``. None when the sweep is not readable."""
+    first = {int(record["ngram_min_match"]): record["ngram_dflash_tau"]}
+    names, methods = record.get("ngram_dflash_key_sizes"), record.get("methods")
+    if names is None:
+        return first
+    if not isinstance(names, dict) or not isinstance(methods, dict):
+        return None
+    taus = {}
+    for name, key_size in names.items():
+        entry = methods.get(name)
+        tau = entry.get("tau") if isinstance(entry, dict) else None
+        if not isinstance(key_size, int) or not isinstance(tau, (int, float)):
+            return None
+        taus[key_size] = tau
+    return taus
 
 
 def lookup_advice(measured: dict | None, export_dir: str | Path, target: str) -> list[str]:
@@ -169,6 +205,7 @@ def lookup_advice(measured: dict | None, export_dir: str | Path, target: str) ->
     numbers = (
         f"The eval in eval.json ({measured['num_prompts']} prompts, exact mode): tau {tau:.3f} with the "
         f"drafter alone, {combined:.3f} with ngram-simple first"
+        + sweep_note(measured)
         + ("" if ngram is None else f", {ngram:.3f} with the eval's n-gram lookup alone")
         + "."
     )
@@ -177,6 +214,19 @@ def lookup_advice(measured: dict | None, export_dir: str | Path, target: str) ->
     else:
         pick = "Serve the drafter alone: lookup first does not raise tau on these prompts."
     return [f"{numbers} {pick} tau is not tokens/s: `dflash-train serve-check` measures both in llama.cpp."]
+
+
+def sweep_note(measured: dict) -> str:
+    """After the combination's tau, where the eval swept the key size: which one the flags above
+    use, and every key size's tau (empty without a sweep)."""
+    taus = measured["key_size_taus"]
+    if len(taus) < 2:
+        return ""
+    listed = ", ".join(f"{k}: {t:.3f}" for k, t in taus.items())
+    return (
+        f" (key size {measured['lookup'][0]}, the flags above: the best of the key sizes the eval "
+        f"measured on these prompts, {listed})"
+    )
 
 
 def llama_cpp_causality_warnings(config: DFlashDraftConfig) -> list[str]:
