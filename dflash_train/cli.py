@@ -65,6 +65,7 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
         ngram_n=args.ngram_n,
         ngram_min_match=parse_key_sizes(args.ngram_min_match),
         ngram_max_draft=args.ngram_max_draft,
+        ngram_simple=args.ngram_simple,
         ddtree_budget=args.ddtree_budget,
         ddtree_topk=args.ddtree_topk,
         draft_p_min=args.draft_p_min,
@@ -222,6 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="exact mode, ngram+dflash: copy at most N tokens per lookup round "
         "(--spec-ngram-simple-size-m N); 0 = the drafter's B-1",
+    )
+    p.add_argument(
+        "--ngram-simple",
+        action="store_true",
+        help="exact mode with --baseline ngram: also report the method ngram-simple, ngram+dflash's "
+        "lookup alone (llama.cpp --spec-type ngram-simple, the first key size, the same draft limit)",
     )
     p.add_argument(
         "--ddtree-budget", type=int, default=0, help="tree drafting with this many nodes (0 = chain)"

@@ -64,7 +64,12 @@ def sweep_setup(tmp_path_factory):
     frozen = as_frozen_target(model, config.target_layer_ids)
     fit_drafter_on_continuations(drafter, frozen, prompts, continuations, max_new_tokens=MAX_NEW, steps=10)
     save_drafter(drafter, config, root / "export", dtype="float32")
-    return {"target": str(target), "export": root / "export", "prompts": str(root / "prompts.jsonl")}
+    return {
+        "target": str(target),
+        "export": root / "export",
+        "prompts": str(root / "prompts.jsonl"),
+        "encoded": (prompts, continuations, eos),
+    }
 
 
 def run_eval(capsys, setup, key_sizes: str, *extra: str, export=None) -> tuple[dict, str]:
@@ -196,3 +201,54 @@ def test_method_names_labels_and_styles_of_a_sweep():
     for bad in ("ngram+dflash@0", "ngram+dflash@x"):
         with pytest.raises(ValueError, match="unknown eval methods"):
             exact_measure(None, None, [], [], max_new_tokens=4, eos_token_ids=(), methods=(bad,))
+
+
+def lookup_alone_rounds(prompt, continuation, eos, key_size: int, max_draft: int) -> list[int]:
+    """Accepted tokens per round of llama.cpp's ngram-simple alone, from the direct-search reference
+    ``ngram_simple_draft``: a round drafts its proposal (none: the round emits the target's token
+    alone), cut to the tokens the request has left, minus one."""
+    from dflash_train.eval.ngram_simple import ngram_simple_draft
+    from dflash_train.eval.simulate import matched_prefix, request_limit
+
+    ids, limit, out, accepted = [*prompt, *continuation], request_limit(continuation, MAX_NEW, eos), 1, []
+    while out < limit and continuation[out - 1] not in eos:
+        draft = ngram_simple_draft(ids, len(prompt) + out, key_size, max_draft)[: limit - out - 1]
+        accepted.append(matched_prefix(draft, continuation, out, eos))
+        out += accepted[-1] + 1
+    return accepted
+
+
+@pytest.mark.parametrize("max_draft", [0, 6])
+def test_ngram_simple_is_the_combination_s_lookup_alone(sweep_setup, capsys, max_draft):
+    """``--ngram-simple``: the method ``ngram-simple`` is llama.cpp's lookup alone at the first key size
+    and the same draft limit (0 = B-1 = 3 here; 6 drafts past the block), round for round as the
+    direct-search reference gives it, beside an unchanged ``ngram+dflash``."""
+    extra = ("--ngram-max-draft", str(max_draft))
+    plain, _ = run_eval(capsys, sweep_setup, "2", *extra)
+    result, out = run_eval(capsys, sweep_setup, "2", "--ngram-simple", *extra)
+    assert list(result["methods"]) == ["dflash", "ngram", "ngram-simple", "ngram+dflash"]
+    assert result["methods"]["ngram+dflash"] == plain["methods"]["ngram+dflash"]
+    prompts, continuations, eos = sweep_setup["encoded"]
+    want = [
+        a
+        for prompt, continuation in zip(prompts, continuations, strict=True)
+        for a in lookup_alone_rounds(prompt, continuation, eos, 2, max_draft or 3)
+    ]
+    got = result["methods"]["ngram-simple"]
+    histogram = got["accept_length_histogram"]
+    assert got["rounds"] == len(want) == sum(histogram)
+    assert histogram == [want.count(accepted) for accepted in range(len(histogram))]
+    assert got["tokens"] == plain["methods"]["ngram+dflash"]["tokens"]  # the same continuations
+    assert max(want) > 3 if max_draft == 6 else max(want) <= 3  # the limit reached past the block
+    assert "ngram-simple tau" in out
+
+
+def test_ngram_simple_is_refused_where_the_combination_does_not_run():
+    base = {"target": "t", "drafter": "d", "prompts": ["p.jsonl"]}
+    with pytest.raises(ValueError, match="--ngram-simple .*--baseline ngram"):
+        EvalOptions(**base, ngram_simple=True)
+    assert EvalOptions(**base, baseline="ngram", ngram_simple=True).exact_methods[:3] == [
+        "dflash",
+        "ngram",
+        "ngram-simple",
+    ]

@@ -36,7 +36,7 @@ import torch
 from dflash_train.eval.ddtree import check_tree_variant
 from dflash_train.eval.diagnosis import BlockStats, diagnose_request, summarize_diagnosis
 from dflash_train.eval.generate import length_sorted_batches
-from dflash_train.eval.ngram_simple import COMBINED_METHOD, swept_key_size
+from dflash_train.eval.ngram_simple import COMBINED_METHOD, LOOKUP_ALONE_METHOD, swept_key_size
 from dflash_train.eval.simulate import (
     request_limit,
     simulate_chain,
@@ -49,7 +49,7 @@ from dflash_train.eval.summary import summarize_rounds
 from dflash_train.models.variant import get_variant
 
 # Besides these, ``ngram+dflash@K`` for any key size K >= 1 (``ngram_simple.combined_methods``).
-EXACT_METHODS = ("dflash", "ngram", "ddtree", COMBINED_METHOD)
+EXACT_METHODS = ("dflash", "ngram", "ddtree", COMBINED_METHOD, LOOKUP_ALONE_METHOD)
 DRAFTER_METHODS = ("dflash", "ddtree", COMBINED_METHOD)  # the methods that need the drafter pass
 
 
@@ -374,6 +374,11 @@ def simulate_method(
                 budget=ddtree_budget,
                 **common,
             )
+        elif method == LOOKUP_ALONE_METHOD:  # ngram+dflash's lookup with a drafter that never drafts
+            gen = simulate_ngram_then_dflash(
+                prompts[i], continuation, lambda out: [], key_size=ngram_min_match,
+                max_draft=ngram_max_draft, **common,
+            )  # fmt: skip
         elif method == COMBINED_METHOD or key_size is not None:
             tokens = drafts[i].tokens.tolist()
             gen = simulate_ngram_then_dflash(

@@ -32,6 +32,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 COMBINED_METHOD = "ngram+dflash"
+LOOKUP_ALONE_METHOD = "ngram-simple"  # the lookup of COMBINED_METHOD alone (--ngram-simple)
 
 
 def combined_methods(key_sizes: Sequence[int]) -> dict[str, int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from dflash_train.eval.ngram_simple import combined_methods
+from dflash_train.eval.ngram_simple import LOOKUP_ALONE_METHOD, combined_methods
 
 TAU_MODES = ("auto", "exact", "decode")
 DECODE_ENGINES = ("auto", "static", "dynamic")  # eval/engines.py
@@ -44,6 +44,10 @@ class EvalOptions:
     # ... and copies at most this many tokens per lookup round (``--spec-ngram-simple-size-m``);
     # 0 = the drafter's B-1.
     ngram_max_draft: int = 0
+    # Exact mode with --baseline ngram: also report ``ngram-simple``, llama.cpp's lookup alone
+    # (``--spec-type ngram-simple``) with the first key size and the draft limit above: the baseline
+    # that ``ngram+dflash`` is measured against when the limit is not the eval's own lookup's B-1.
+    ngram_simple: bool = False
     # Tree drafting (DDTree) with this many nodes; 0 = chain only.
     ddtree_budget: int = 0
     # Candidates per draft position when growing the DDTree.
@@ -114,6 +118,11 @@ class EvalOptions:
         if self.ddtree_budget > 0 and self.temperature > 0:
             raise ValueError("DDTree is greedy only: use --temperature 0 with --ddtree-budget")
         self._check_key_sizes()
+        if self.ngram_simple and (self.baseline != "ngram" or self.resolved_tau_mode != "exact"):
+            raise ValueError(
+                "--ngram-simple reports llama.cpp's ngram-simple lookup beside ngram+dflash, which only "
+                "exact mode with --baseline ngram runs: add --baseline ngram (at --temperature 0), or drop it"
+            )
 
     def _check_key_sizes(self) -> None:
         """``ngram_min_match``: a non-empty tuple of distinct ints >= 1; several only where
@@ -166,7 +175,8 @@ class EvalOptions:
         if self.baseline != "ngram":
             return self.methods
         at = self.methods.index("ngram") + 1
-        return [*self.methods[:at], *self.combined_key_sizes, *self.methods[at:]]
+        lookup_alone = [LOOKUP_ALONE_METHOD] if self.ngram_simple else []
+        return [*self.methods[:at], *lookup_alone, *self.combined_key_sizes, *self.methods[at:]]
 
     @property
     def combined_key_sizes(self) -> dict[str, int]:

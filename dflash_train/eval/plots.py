@@ -16,10 +16,16 @@ from typing import Any
 
 ACCEPTANCE_PNG = "acceptance.png"
 EVAL_JSON = "eval.json"
-METHOD_LABELS = {"dflash": "DFlash", "ngram": "n-gram", "ngram+dflash": "n-gram+DFlash", "ddtree": "DDTree"}
-METHOD_STYLES = {"dflash": "-", "ngram": ":", "ngram+dflash": "-.", "ddtree": "--"}
+METHOD_LABELS = {
+    "dflash": "DFlash",
+    "ngram": "n-gram",
+    "ngram+dflash": "n-gram+DFlash",
+    "ddtree": "DDTree",
+    "ngram-simple": "ngram-simple",
+}
+METHOD_STYLES = {"dflash": "-", "ngram": ":", "ngram+dflash": "-.", "ddtree": "--", "ngram-simple": ":"}
 # One color per method in every panel (matplotlib's first cycle colors).
-METHOD_COLORS = {"dflash": "C0", "ngram": "C1", "ddtree": "C2", "ngram+dflash": "C3"}
+METHOD_COLORS = {"dflash": "C0", "ngram": "C1", "ddtree": "C2", "ngram+dflash": "C3", "ngram-simple": "C4"}
 PANEL_COLUMNS = 3
 
 
@@ -32,7 +38,7 @@ def method_label(method: str) -> str:
 
 def method_styles(methods: Sequence[str]) -> dict[str, dict[str, str]]:
     """Line style and color of each method: a sweep's ``ngram+dflash@K`` draws in ``ngram+dflash``'s
-    line style, each in a color of its own after the fixed ones (C4, C5, ...), so that a panel tells
+    line style, each in a color of its own after the fixed ones (C5, C6, ...), so that a panel tells
     the key sizes apart."""
     styles, num_extra = {}, 0
     for method in methods:
