@@ -20,16 +20,9 @@ from dflash_train.eval.exact import exact_measure
 from dflash_train.eval.ngram_simple import combined_methods, swept_key_size
 from dflash_train.eval.options import EvalOptions, parse_key_sizes
 from dflash_train.eval.plots import method_label, method_styles
+from tests.test_eval_exact import TEXTS  # the exact eval's prompts: short code and prose, some looping
 
 MAX_NEW = 60
-TEXTS = [
-    "def add(a, b): the quick brown fox",
-    "for i in range(10):",
-    "class Point:",
-    "hi",
-    "print(i * i)",
-    "the lazy dog",
-]
 SWEPT = ("ngram+dflash@2", "ngram+dflash@3")
 
 pytestmark = pytest.mark.usefixtures("one_thread_module")

@@ -14,8 +14,9 @@ or precomputed: the target is frozen, so in-training eval generates them once):
    pins training-mode block logits == inference-mode block logits); the target's LM head turns
    block positions 1..B-1 into argmax drafts (and top-K log-probs for DDTree), chunk by chunk;
 3. simulation on the host for DFlash, n-gram, DDTree and ``ngram+dflash`` (prompt lookup first,
-   the drafter otherwise; ``ngram+dflash@K`` the same at key size K), and the diagnosis of the DFlash drafts (``eval/diagnosis.py``: the
-   training metric over every anchor, tau inside / outside repetition loops, after a rejection).
+   the drafter otherwise; ``ngram+dflash@K`` the same at key size K; ``ngram-simple`` its lookup
+   alone), and the diagnosis of the DFlash drafts (``eval/diagnosis.py``: the training metric over
+   every anchor, tau inside / outside repetition loops, after a rejection).
 
 Because the drafter only ever sees features of accepted positions, and those are positions of the
 continuation, nothing here needs a GatedDeltaNet state rollback or per-branch state: DDTree tau is
