@@ -517,6 +517,50 @@ def test_engine_acceptance_far_below_the_eval_is_flagged_once_it_can_be_judged(
     assert result["prompt_tokens_equal"] == "1/1" and result["engine_greedy_equals_eval"] == "1/1"
 
 
+def test_texts_a_drafter_free_run_also_changed_are_told_apart_from_the_drafters(tmp_path):
+    from dflash_train.eval.serve_check import compare
+    from dflash_train.eval.serve_prompts import ServePrompt
+    from dflash_train.eval.speculative import Generation
+
+    def completions(*texts):
+        return [llama_cpp.Completion(t, "length", 3, 33, 30, 3, 10.0) for t in texts]
+
+    def run(*texts):
+        return {
+            "completions": completions(*texts),
+            "prompt_tokens": None,
+            "command": [],
+            "log": tmp_path / "no",
+        }
+
+    runs = {
+        "plain": {**run("a", "b", "c"), "prompt_tokens": [[1]] * 3},
+        "draft-dflash": run("a", "B", "C"),  # prompts 2 and 3 lost with the drafter
+        "ngram-simple": run("a", "b", "C"),  # prompt 3 lost without it too
+        "ngram-simple+draft-dflash": run("a", "b", "c"),
+    }
+    generation = Generation(tokens=list(range(33)), num_drafted=[3] * 30, num_accepted=[1] * 30)
+    eval_side = {
+        "dflash": [generation] * 3, "ngram": [generation] * 3, "greedy_texts": ["a", "b", "c"],
+        "target_recurrent": False,
+    }  # fmt: skip
+    options = SimpleNamespace(max_new_tokens=32, ngram_min_match=3, ngram_max_draft=0)
+    prompts = [ServePrompt(f"p:{i}", [], [1]) for i in (1, 2, 3)]
+    result = compare(options, 4, prompts, runs, eval_side)
+    assert result["engine_lossless"] == {
+        "draft-dflash": "1/3",
+        "ngram-simple": "2/3",
+        "ngram-simple+draft-dflash": "3/3",
+    }
+    assert result["engine"]["draft-dflash"]["unlike_plain"] == ["p:2", "p:3"]
+    assert result["unlike_plain_without_drafter"] == {
+        "with_drafter": ["p:2", "p:3"],
+        "also_without_drafter": ["p:3"],
+    }
+    del runs["ngram-simple"], runs["ngram-simple+draft-dflash"]
+    assert compare(options, 4, prompts, runs, eval_side)["unlike_plain_without_drafter"] is None
+
+
 def train_on_own_replies(tmp_path, recipe: str):
     """Regenerate PROMPTS with the real target and train ``recipe`` a few steps on the replies (CPU,
     fp32); returns the prompt file and the steps. The export is ``tmp_path / "run" / "export"``."""

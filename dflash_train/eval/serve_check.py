@@ -358,7 +358,8 @@ def compare(
     engine = {name: engine_numbers(run["completions"]) for name, run in runs.items() if name != "plain"}
     refused = {}
     for name, numbers in engine.items():
-        numbers["same_as_plain"] = sum(c.text == t for c, t in zip(runs[name]["completions"], plain))
+        unlike = [p.where for p, c, t in zip(prompts, runs[name]["completions"], plain) if c.text != t]
+        numbers["same_as_plain"], numbers["unlike_plain"] = len(prompts) - len(unlike), unlike
         reason = check_engine_counts(
             numbers, recurrent_target=eval_side["target_recurrent"], log_path=runs[name]["log"]
         )
@@ -387,6 +388,7 @@ def compare(
         "eval_acceptance_rate": dflash_eval["acceptance_rate"],
         "engine_far_from_eval": far,
         "engine_lossless": {name: f"{n['same_as_plain']}/{len(prompts)}" for name, n in engine.items()},
+        "unlike_plain_without_drafter": unlike_without_drafter(engine, drafter_run),
         "engine_greedy_equals_eval": f"{sum(a == b for a, b in zip(plain, eval_side['greedy_texts']))}/{len(prompts)}",
         "prompt_tokens_equal": f"{sum(same_prompt)}/{len(prompts)}",
         "eval_ngram_tau": eval_numbers(eval_side["ngram"], block_size)["tau"],
@@ -411,6 +413,19 @@ def compare(
         "prompts_differing": [p.where for p, same in zip(prompts, same_prompt) if not same],
         "engine_commands": {name: " ".join(run["command"]) for name, run in runs.items()},
     }
+
+
+def unlike_without_drafter(engine: dict, drafter_run: str) -> dict[str, list[str]] | None:
+    """The prompts whose text a drafter's run changed (``with_drafter``) and those of them that a
+    drafter-free run (``ngram-simple`` alone) changed too (``also_without_drafter``): a text lost
+    there too comes from the engine's batched verification (a quantized target's batch kernels round
+    unlike one-token decoding), not from the drafter. None without a drafter-free run."""
+    free = [n for n in engine if drafter_run not in n]
+    if not free:
+        return None
+    with_drafter = sorted({w for n, x in engine.items() if drafter_run in n for w in x["unlike_plain"]})
+    without = {w for n in free for w in engine[n]["unlike_plain"]}
+    return {"with_drafter": with_drafter, "also_without_drafter": [w for w in with_drafter if w in without]}
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -452,6 +467,12 @@ def print_table(result: dict[str, Any]) -> None:
         f"plain engine greedy == eval greedy: {result['engine_greedy_equals_eval']}; "
         f"prompt tokens equal: {result['prompt_tokens_equal']}"
     )
+    unlike = result["unlike_plain_without_drafter"]
+    if unlike and unlike["with_drafter"]:
+        lines.append(
+            f"texts unlike plain's with the drafter: {len(unlike['with_drafter'])}; of them also unlike it "
+            f"without the drafter: {len(unlike['also_without_drafter'])} (the engine's batched verification)"
+        )
     lines += [f"REFUSED {name}: {reason}" for name, reason in result["engine_refused"].items()]
     if result["drafter_run"] not in result["engine_refused"] and result["engine_far_from_eval"] is None:
         lines.append(
