@@ -12,7 +12,10 @@ Steps (``--steps``, in the order given; default all):
                  bytes per save of gather, dcp-sync and dcp-async, on ``--work``'s disk
   lengths-short  ``bench lengths short-chat --preset qwen3.6-27b``: buckets against packing, real
   lengths-mixed  tokens/s and padding waste (mixed-chat for the second)
-  gpu-tests      ``python3 -m pytest -q -m gpu tests``: pass/fail counts and wall time
+  gpu-tests      ``python3 -m pytest -v -rfE -m gpu TESTS``: pass/fail counts and wall time; ``--tests``
+                 (default ``tests``) picks files, so the suite can span calls (on an H100 its first 22
+                 tests took the whole 540 s): ``--tests tests/test_[a-m]*.py``, then ``[n-z]``.
+                 Verbose, so a log cut at the limit still names every test that finished
 
 Each step runs in its own process group, killed at its limit: its ``--timeout-s`` (default: the
 step's own, ``STEPS``), cut to what is left of ``--budget-s`` (a device call's 10 minutes, less a
@@ -92,8 +95,8 @@ DRY_RUN_SHAPES = {
 
 
 def gpu_tests(options: argparse.Namespace, limit_s: float) -> list[str]:
-    where = ["tests/test_target_fp8.py"] if options.dry_run else ["tests"]
-    return [sys.executable, "-m", "pytest", "-q", "-m", "gpu", *where]
+    where = ["tests/test_target_fp8.py"] if options.dry_run else options.tests
+    return [sys.executable, "-m", "pytest", "-v", "-rfE", "-m", "gpu", *where]
 
 
 # ----------------------------------------------------------------------------- figures per step
@@ -225,6 +228,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--budget-s", type=float, default=570, help="all steps together (a device call: 600 s); 0 = none"
     )
     parser.add_argument("--dry-run", action="store_true", help="tiny presets on the CPU (see the header)")
+    parser.add_argument("--tests", nargs="+", default=["tests"], help="gpu-tests: test files or folders")
     args = parser.parse_args(argv)
     args.steps = [name.strip() for name in args.steps.split(",") if name.strip()]
     unknown = [name for name in args.steps if name not in STEPS]

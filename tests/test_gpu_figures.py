@@ -181,3 +181,11 @@ def test_pytest_figures_read_the_summary_line_and_the_failed_tests(figures):
     assert got["counts"] == {"failed": 1, "passed": 27, "deselected": 412} and got["pytest_s"] == 407.12
     assert got["failed"] == ["FAILED tests/test_target_fp8.py::test_fp8_target_compiles_regionally_on_gpu"]
     assert figures.pytest_figures(None, "no tests ran in 0.01s") == {}
+
+
+def test_the_gpu_tests_run_the_files_given_and_name_each_test_as_it_finishes(figures):
+    """--tests lets the suite span device calls; -v names every finished test in a log cut at the limit."""
+    options = figures.parse_args(["--steps", "gpu-tests", "--tests", "tests/test_a.py", "tests/test_b.py"])
+    command = figures.gpu_tests(options, 100.0)
+    assert command[-2:] == ["tests/test_a.py", "tests/test_b.py"] and "-v" in command and "-q" not in command
+    assert figures.gpu_tests(figures.parse_args(["--steps", "gpu-tests"]), 100.0)[-1] == "tests"

@@ -162,9 +162,9 @@ def test_choose_tokens_does_not_sort_the_vocabulary(monkeypatch):
         assert tokens.shape == (4,) and bool(((tokens >= 0) & (tokens < 1024)).all())
 
 
-def test_the_compiled_draw_is_the_eager_one():
-    """What CUDA runs (``compiled_draw``), traced whole with a dynamic batch and a changing limit;
-    inductor's CPU code for one limit, on random and tied rows."""
+def test_the_draw_traced_into_a_compiled_region_is_the_eager_one():
+    """What the compiled decode step traces into its graph (the masked-sum rounds), with a dynamic
+    batch and a changing limit; inductor's CPU code for one limit, on random and tied rows."""
     draws = [
         (torch.softmax(logits_of(kind, rows, 2048, seed=rows) / 0.9, dim=-1), rows)
         for kind, rows in [("random", 6), ("ties", 3), ("flat", 6), ("random", 1)]
@@ -238,4 +238,3 @@ def test_the_sampler_replays_in_a_cuda_graph_with_new_inputs():
         other = choose_tokens(logits[:5], uniforms[:5], Sampling(temperature=1.0, top_p=0.5))
         probs_other = torch.softmax(logits[:5], dim=-1)
         assert torch.equal(other, draw_below_limit(probs_other, uniforms[:5], mass_limit(0.5)))
-    assert nucleus._compiled is not None  # the graph holds the compiled draw

@@ -3,7 +3,7 @@ engines ran before against ``generate/nucleus.py``'s (``generate.sampling.choose
 ROWSxVOCAB shape, on random logits at temperature 0.7, top-p 0.9.
 
 On CUDA each draw is timed as the decode step runs it: two eager warm-ups on a side stream (the
-first compiles the sort-free draw: ``first_call_s``), then captured in a CUDA graph and replayed
+first one's wall time is ``first_call_s``), then captured in a CUDA graph and replayed
 ``repeats`` times between CUDA events. On CPU (dry runs) the draws are timed eagerly. The record also
 counts the rows whose nucleus differs between the two (the sorted draw summed float32, the new one
 sums exact integers: only a boundary within float32 rounding of top-p can differ).

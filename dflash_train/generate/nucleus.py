@@ -26,10 +26,12 @@ operation without host syncs, so the draw can be captured in the decode step's C
   order of the earlier sampler: the same (seed, key, step) draws from the same distribution, but
   generally another token than before.
 
-On CUDA the draw runs through ``torch.compile`` (the batch dimension dynamic), where each search
-round becomes one pass over the probabilities; eager calls (CPU, or inside a region that is itself
-being compiled) take the histogram rounds. After the caller's softmax everything is integer
-arithmetic, so the compiled and the eager draws are identical.
+Outside a compiled region the draw runs eagerly (the histogram rounds, on CPU and CUDA alike: plain
+tensor operations without host syncs, captured as they are in the decode step's CUDA graph); the
+compiled decode step traces it into its own graph (the masked-sum rounds). After the caller's
+softmax everything is integer arithmetic, so both give the same token. A standalone
+``torch.compile`` of the draw with a dynamic batch does not build on torch 2.11 (inductor fails to
+generate the int64 cumsum over the vocabulary, a split scan, on an H100), so there is none.
 
 Shapes: R rows, V vocab.
 """
@@ -37,16 +39,13 @@ Shapes: R rows, V vocab.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 
 MASS_BITS = 60  # a probability p weighs floor(p * 2**60); the sum of a row's masses stays < 2**63
 PATTERN_BITS = 30  # float32 patterns of probabilities in [0, 1] lie in [0, 2**30) (1.0 is 0x3F800000)
-COMPILED_DIGIT_BITS = 3  # compiled: 10 rounds of 7 masked sums, fused into one pass per round
+COMPILED_DIGIT_BITS = 3  # traced into a compiled step: 10 rounds of 7 masked sums, one fused pass each
 EAGER_DIGIT_BITS = 10  # eager: 3 rounds of one 1,024-slice histogram (a scatter) each
-
-_compiled: Callable | None = None
 
 
 def masses(probs: torch.Tensor) -> torch.Tensor:
@@ -140,15 +139,9 @@ def nucleus_tokens(probs: torch.Tensor, uniforms: torch.Tensor, top_p: float) ->
     """One token per row from its nucleus, by inverse CDF in token-id order: [R] int64.
 
     ``probs`` [R, V] float32 (contiguous), ``uniforms`` [R] in [0, 1) (``sampling.row_uniforms``).
-    On CUDA this runs compiled (see the module docstring), eagerly elsewhere or inside a region that
-    is itself being compiled.
+    Eager here; traced into the graph of a compiled caller (see the module docstring).
     """
-    limit = mass_limit(top_p)
-    if probs.device.type != "cuda" or torch.compiler.is_compiling():
-        return draw_below_limit(probs, uniforms, limit)
-    torch._dynamo.maybe_mark_dynamic(probs, 0)  # prefill draws come in groups of any size
-    torch._dynamo.maybe_mark_dynamic(uniforms, 0)
-    return compiled_draw()(probs, uniforms, limit)
+    return draw_below_limit(probs, uniforms, mass_limit(top_p))
 
 
 def draw_below_limit(probs: torch.Tensor, uniforms: torch.Tensor, limit: int | None) -> torch.Tensor:
@@ -162,12 +155,3 @@ def draw_below_limit(probs: torch.Tensor, uniforms: torch.Tensor, limit: int | N
     target = (uniforms.to(torch.float64)[:, None] * total.to(torch.float64)).floor().to(torch.int64)
     target = torch.minimum(target.clamp(min=0), total - 1)  # a uniform rounded up to 1.0 stays inside
     return (cdf <= target).sum(-1)  # the first token whose cumulative mass exceeds the target
-
-
-def compiled_draw() -> Callable[[torch.Tensor, torch.Tensor, int | None], torch.Tensor]:
-    """``draw_below_limit`` compiled, made once per process. The limit, a Python int, reaches the
-    kernels as a constant or an argument value, so a captured graph reads no host memory."""
-    global _compiled
-    if _compiled is None:
-        _compiled = torch.compile(draw_below_limit, fullgraph=True)
-    return _compiled
