@@ -161,6 +161,8 @@ class CommandParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from dflash_train.models.serving import LOOKUP_KEY_SIZE, LOOKUP_MAX_DRAFT  # light: no torch
+
     parser = CommandParser(
         prog="dflash-train",
         description="Train DFlash block-diffusion draft models against a frozen target LLM.",
@@ -212,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ngram-n", type=int, default=3)
     p.add_argument(
         "--ngram-min-match",
-        default="3",
+        default=str(LOOKUP_KEY_SIZE),
         help="exact mode, ngram+dflash (llama.cpp's ngram-simple rule): draft by prompt lookup when the "
         "last M tokens occurred earlier (--spec-ngram-simple-size-n M); a comma list (3,4,6,8) sweeps "
         "it in one run, each further key size K as the method ngram+dflash@K",
@@ -220,9 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ngram-max-draft",
         type=int,
-        default=0,
+        default=LOOKUP_MAX_DRAFT,
         help="exact mode, ngram+dflash: copy at most N tokens per lookup round "
-        "(--spec-ngram-simple-size-m N); 0 = the drafter's B-1",
+        f"(--spec-ngram-simple-size-m N; default {LOOKUP_MAX_DRAFT}, llama.cpp's); 0 = the drafter's B-1",
     )
     p.add_argument(
         "--ngram-simple",
@@ -420,14 +422,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ngram-min-match",
         type=int,
-        default=3,
+        default=LOOKUP_KEY_SIZE,
         help="ngram-simple's key size in the engine (--spec-ngram-simple-size-n) and in the eval's ngram+dflash",
     )
     p.add_argument(
         "--ngram-max-draft",
         type=int,
-        default=0,
-        help="ngram-simple's draft limit (--spec-ngram-simple-size-m) in both; 0 = the drafter's B-1",
+        default=LOOKUP_MAX_DRAFT,
+        help=f"ngram-simple's draft limit (--spec-ngram-simple-size-m) in both (default {LOOKUP_MAX_DRAFT}, "
+        "llama.cpp's); 0 = the drafter's B-1",
     )
     p.add_argument(
         "--llama-server", default="", help="llama-server binary (default: $DFLASH_LLAMA_SERVER, PATH)"

@@ -67,6 +67,7 @@ def reference_tau(task, prompt_files, drafter_dir) -> dict[str, float | None]:
     from dflash_train.eval.prompts import load_prompts
     from dflash_train.eval.runner import default_eos_ids
     from dflash_train.models.export import load_drafter
+    from dflash_train.models.serving import LOOKUP_MAX_DRAFT
 
     model = AutoModelForCausalLM.from_pretrained(task["target"], dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(task["target"])
@@ -82,7 +83,7 @@ def reference_tau(task, prompt_files, drafter_dir) -> dict[str, float | None]:
         )
         result = exact_acceptance(
             model, drafter.eval(), prompts, continuations, max_new_tokens=MAX_NEW_TOKENS, eos_token_ids=eos,
-            pad_token_id=pad, methods=("dflash", "ngram+dflash"),
+            pad_token_id=pad, methods=("dflash", "ngram+dflash"), ngram_max_draft=LOOKUP_MAX_DRAFT,
         )  # fmt: skip
         taus[f"eval_tau{suffix}"] = result["methods"]["dflash"]["tau"]
         taus[f"eval_ngram_dflash_tau{suffix}"] = result["methods"]["ngram+dflash"]["tau"]

@@ -91,7 +91,7 @@ def test_each_swept_key_size_equals_a_single_key_eval_with_it(sweep_setup, capsy
     sweep, out = run_eval(capsys, sweep_setup, "1,2,3")
     assert list(sweep["methods"]) == ["dflash", "ngram", "ngram+dflash", *SWEPT]
     assert sweep["ngram_dflash_key_sizes"] == {"ngram+dflash": 1, "ngram+dflash@2": 2, "ngram+dflash@3": 3}
-    assert sweep["ngram_min_match"] == 1 and sweep["ngram_max_draft"] == 3
+    assert sweep["ngram_min_match"] == 1 and sweep["ngram_max_draft"] == 48
     for key_size, method in zip((2, 3), SWEPT, strict=True):
         single, _ = run_eval(capsys, sweep_setup, str(key_size))
         # Every per-method number: tau, acceptance by position, accepted lengths, rounds, tokens.
@@ -125,7 +125,7 @@ def test_serving_md_serves_the_best_measured_key_size(sweep_setup, capsys, tmp_p
     taus = {k: sweep["methods"][m]["tau"] for m, k in sweep["ngram_dflash_key_sizes"].items()}
     best = max(taus, key=taus.__getitem__)
     notes = (export / "SERVING.md").read_text()
-    assert f"--spec-ngram-simple-size-n {best} --spec-ngram-simple-size-m 3" in notes
+    assert f"--spec-ngram-simple-size-n {best} --spec-ngram-simple-size-m 48" in notes
     assert f"{taus[best]:.3f} with ngram-simple first (key size {best}, the flags above" in notes
     assert ", ".join(f"{k}: {t:.3f}" for k, t in taus.items()) in notes
     assert (export / "acceptance.png").is_file()

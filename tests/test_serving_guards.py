@@ -136,11 +136,11 @@ def test_export_writes_the_exact_serving_flags(tmp_path):
     assert '"method": "dflash"' in notes and '"num_speculative_tokens": 3' in notes
     assert "VLLM_USE_V2_MODEL_RUNNER=1 vllm serve org/target" in notes  # mixed layer types
     # llama.cpp: the full block (p-min 0), alone and after its ngram-simple lookup, whose defaults
-    # are the eval's (key 3, at most B-1 tokens); without the eval's numbers, how to get them.
+    # are the eval's (key 3, at most 48 tokens, llama.cpp's limit); without the eval's numbers, how to get them.
     assert "--spec-type draft-dflash --spec-draft-n-max 3 --spec-draft-p-min 0 --jinja" in notes
     combined = (
         "--spec-type ngram-simple,draft-dflash --spec-draft-n-max 3 --spec-draft-p-min 0 "
-        "--spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 3 --jinja"
+        "--spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 48 --jinja"
     )
     assert combined in notes and "Measure it on yours" in notes and "--baseline ngram" in notes
 

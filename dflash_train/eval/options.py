@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field
 
 from dflash_train.eval.ngram_simple import LOOKUP_ALONE_METHOD, combined_methods
+from dflash_train.models.serving import LOOKUP_KEY_SIZE, LOOKUP_MAX_DRAFT
 
 TAU_MODES = ("auto", "exact", "decode")
 DECODE_ENGINES = ("auto", "static", "dynamic")  # eval/engines.py
@@ -40,10 +41,10 @@ class EvalOptions:
     # when the last this-many tokens occurred earlier (``--spec-ngram-simple-size-n``), else with the
     # drafter. The first key size is ``ngram+dflash``; each further K adds ``ngram+dflash@K``, the
     # same simulation with key size K (one eval, the drafts computed once: ``--ngram-min-match 3,4,6``).
-    ngram_min_match: tuple[int, ...] = (3,)
-    # ... and copies at most this many tokens per lookup round (``--spec-ngram-simple-size-m``);
-    # 0 = the drafter's B-1.
-    ngram_max_draft: int = 0
+    ngram_min_match: tuple[int, ...] = (LOOKUP_KEY_SIZE,)
+    # ... and copies at most this many tokens per lookup round (``--spec-ngram-simple-size-m``;
+    # default llama.cpp's 48); 0 = the drafter's B-1.
+    ngram_max_draft: int = LOOKUP_MAX_DRAFT
     # Exact mode with --baseline ngram: also report ``ngram-simple``, llama.cpp's lookup alone
     # (``--spec-type ngram-simple``) with the first key size and the draft limit above: the baseline
     # that ``ngram+dflash`` is measured against when the limit is not the eval's own lookup's B-1.

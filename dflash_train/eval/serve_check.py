@@ -47,6 +47,7 @@ from dflash_train.eval.prompts import PromptFile
 from dflash_train.eval.serve_prompts import ServePrompt, load_serve_prompts
 from dflash_train.eval.serve_runs import combined_run, engine_configurations, engine_runs
 from dflash_train.eval.summary import ratio, summarize_rounds
+from dflash_train.models.serving import LOOKUP_KEY_SIZE, LOOKUP_MAX_DRAFT
 
 NGRAM_TYPES = ("ngram-simple", "ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache")
 SERVER_FLAGS = ("-m", "-md", "--spec-type", "--spec-draft-n-max", "--spec-draft-p-min", "--jinja")
@@ -78,8 +79,8 @@ class ServeCheckOptions:
     ngram_types: list[str] = field(default_factory=lambda: ["ngram-simple", "ngram-mod"])
     # ngram-simple's key size and draft limit (0 = B-1), in the engine and in the eval's ngram+dflash:
     # eval's --ngram-min-match / --ngram-max-draft, llama-server's --spec-ngram-simple-size-n / -m.
-    ngram_min_match: int = 3
-    ngram_max_draft: int = 0
+    ngram_min_match: int = LOOKUP_KEY_SIZE
+    ngram_max_draft: int = LOOKUP_MAX_DRAFT
     llama_server: str = ""  # default: $DFLASH_LLAMA_SERVER, then llama-server on PATH
     llama_convert: str = ""  # default: $DFLASH_LLAMA_CONVERT
     # Where the GGUF files, server logs and serve_check.json go (default: a temporary directory).

@@ -36,6 +36,10 @@ SERVING_NOTES_NAME = "SERVING.md"
 # llama.cpp's ngram-simple key size in the served combination: the eval's ``--ngram-min-match``
 # default, so that SERVING.md serves what the eval's ``ngram+dflash`` measured by default.
 LOOKUP_KEY_SIZE = 3
+# ... and its draft limit per lookup round: llama.cpp's own ngram-simple default (48), which let lookup
+# copy whole repetition loops (SmolLM2-135M: ngram+dflash 1.45x -> 1.71x n-gram at 15 -> 48 tokens,
+# docs/quality.md); the eval's ``--ngram-max-draft`` default too.
+LOOKUP_MAX_DRAFT = 48
 EVAL_RECORD_NAME = "eval.json"  # what ``dflash-train eval --output-dir EXPORT_DIR`` writes there
 
 
@@ -70,11 +74,11 @@ def serving_flags(
     """The launch commands of SGLang, vLLM and llama.cpp for this export: ``{"sglang": ..., "vllm":
     ..., "llama_cpp": ..., "llama_cpp_combined": ...}`` (llama.cpp: its converter, then llama-server
     with the drafter alone, or with ngram-simple first; docs/training.md). ``lookup`` is
-    ngram-simple's (key size, draft limit); default (3, the drafter's drafts per round)."""
+    ngram-simple's (key size, draft limit); default (``LOOKUP_KEY_SIZE``, ``LOOKUP_MAX_DRAFT``)."""
     draft = str(Path(export_dir).resolve())
     variant = get_variant(config.variant)
     drafts = config.num_draft_tokens
-    key_size, max_draft = lookup or (LOOKUP_KEY_SIZE, drafts)
+    key_size, max_draft = lookup or (LOOKUP_KEY_SIZE, LOOKUP_MAX_DRAFT)
     vllm_config = json.dumps(
         {"method": variant.vllm_method, "model": draft, "num_speculative_tokens": drafts}
     )

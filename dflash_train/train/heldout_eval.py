@@ -46,6 +46,7 @@ import torch.distributed as dist
 from dflash_train.eval.diagnosis import BlockStats, summarize_diagnosis
 from dflash_train.eval.speculative import Generation
 from dflash_train.eval.summary import summarize_rounds
+from dflash_train.models.serving import LOOKUP_MAX_DRAFT
 from dflash_train.train.faults import any_rank_error
 from dflash_train.train.logging import log_main
 from dflash_train.train.parallel import unwrap, uses_fsdp
@@ -155,7 +156,7 @@ def evaluate(run, heldout: HeldoutEval) -> dict[str, Any]:
         result = exact_measure(
             run.target, drafter, heldout.prompts, heldout.continuations,
             max_new_tokens=cfg.max_new_tokens, eos_token_ids=heldout.eos_token_ids, methods=methods,
-            ngram_n=cfg.ngram_n, ngram_min_match=cfg.ngram_n,
+            ngram_n=cfg.ngram_n, ngram_min_match=cfg.ngram_n, ngram_max_draft=LOOKUP_MAX_DRAFT,
             drafter_batch_tokens=cfg.drafter_batch_tokens, pad_token_id=heldout.pad_token_id,
         )  # fmt: skip
     local = list(zip(*(result.generations[m] for m in methods), result.diagnoses, strict=True))
