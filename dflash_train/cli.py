@@ -348,6 +348,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--turns", type=int, default=1, help="user turns per row (greedy replies between)")
     p.add_argument("--max-reply-tokens", type=int, default=512, help="limit of the replies between turns")
+    p.add_argument(
+        "--stop-loops",
+        action="store_true",
+        help="end a generated turn once it repeats one block of tokens and drop its sample (counted as "
+        "looped / reply_looped) instead of generating it to its token limit (greedy loops of small targets)",
+    )
     p.add_argument("--system", default="", help="system prompt rendered before the user turn")
     p.add_argument("--thinking", choices=["on", "off", "default"], default="default")
     p.add_argument("--seed", type=int, default=0)

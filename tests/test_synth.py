@@ -318,3 +318,24 @@ def test_near_duplicate_index_stays_small_and_finds_near_copies():
     assert max(len(rows) for rows in f.index.values()) < 100  # of 2000 kept prompts
     caught = sum(f.duplicate_problem(p + " ok") == "near_duplicate" for p in prompts[:300])
     assert caught >= 290
+
+
+def test_stop_loops_drops_looping_turns_when_they_loop_and_is_part_of_the_settings(tmp_path, monkeypatch):
+    """With --stop-loops a turn that repeats itself ends there and its sample is counted as looped (a
+    random target's greedy turns loop at once; a loop test small enough for its 32-token turns): the
+    same samples that run into the token limit without it; every sample is counted once, and a resume
+    without the option is refused."""
+    from dflash_train.data import synth as synth_module
+    from dflash_train.generate.loops import LoopStop
+
+    monkeypatch.setattr(synth_module, "LoopStop", lambda: LoopStop(max_period=4, min_span=8))
+    target = save_family_target(tmp_path / "random", "smollm2")
+    settings = dict(num_rows=2, max_samples=16, max_prompt_tokens=32, temperature=0.0)
+    out = tmp_path / "loops.jsonl"
+    stopped = run_synth(options(target, out, stop_loops=True, **settings))
+    plain = run_synth(options(target, tmp_path / "plain.jsonl", **settings))
+    assert plain["filtered"]["hit_token_limit"] == 16 and plain["filtered"]["looped"] == 0
+    assert stopped["filtered"]["looped"] == 16 and stopped["filtered"]["hit_token_limit"] == 0
+    assert stopped["samples_drawn"] == stopped["rows"] + sum(stopped["filtered"].values())
+    with pytest.raises(ValueError, match="stop_loops"):
+        run_synth(options(target, out, **settings))

@@ -6,8 +6,9 @@ Reasons, in the order they are tested: ``hit_token_limit`` (no end-of-turn token
 U+FFFD from broken bytes included), ``exact_duplicate`` (same normalised text: NFKC, lower case,
 punctuation dropped, whitespace collapsed) and ``near_duplicate`` (Jaccard similarity of the
 normalised character 5-gram sets at or above the threshold with an earlier kept prompt). ``synth``
-also counts ``reply_hit_token_limit`` (a reply between turns did not end) and ``heldout_overlap`` (a
-training prompt that is an exact or near duplicate of another task's held-out prompt).
+also counts ``reply_hit_token_limit`` (a reply between turns did not end), ``heldout_overlap`` (a
+training prompt that is an exact or near duplicate of another task's held-out prompt) and, with
+``--stop-loops``, ``looped`` / ``reply_looped`` (a user turn or a reply stopped as a repetition loop).
 
 Near duplicates without pairwise comparison (locality-sensitive hashing): each prompt gets a
 signature of 24 min-hashes of its 5-gram set (the crc32 of every 5-gram through 24 random
@@ -46,6 +47,8 @@ REASONS = (
     "near_duplicate",
     "reply_hit_token_limit",
     "heldout_overlap",
+    "looped",
+    "reply_looped",
 )
 NON_WORD = re.compile(r"[\W_]+", re.UNICODE)
 

@@ -60,6 +60,7 @@ from dflash_train.data.tokenize import (
 )
 from dflash_train.generate.compiled_step import compile_decode_choice, compile_report
 from dflash_train.generate.engine import QUEUE_ROWS_PER_SLOT, build_generator
+from dflash_train.generate.loops import LoopStop
 from dflash_train.generate.sampling import Sampling, load_generator, resolve_device
 
 THINKING = {"on": True, "off": False, "default": None}
@@ -98,6 +99,9 @@ class SynthOptions:
     thinking: str = "default"
     # Greedy replies between the turns of a multi-turn row.
     max_reply_tokens: int = 512
+    # End a generated turn (user prompt or reply) once it repeats itself (generate/loops.py) and drop
+    # its sample, instead of generating it to its token limit and dropping it then.
+    stop_loops: bool = False
     min_prompt_chars: int = 10
     near_dup_threshold: float = 0.8
     # Stop after drawing this many samples even if fewer rows were kept (0 = 20 per requested row).
@@ -197,6 +201,7 @@ class Synthesizer:
         self.generator = build_generator(
             self.model, num_slots=opts.batch_size, compile_decode=compile_decode_choice(opts.compile_decode)
         )
+        self.loop_stop = LoopStop() if opts.stop_loops else None
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -230,11 +235,12 @@ class Synthesizer:
             stop_ids=self.user_stops,
             pad_id=self.pad_id,
             sampling=self.sampling,
+            loop_stop=self.loop_stop,
         )
         for s, opening, gen in zip(live, openings, generations):
             text = opening + self.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
             seen = any(t in self.special for t in gen.token_ids)
-            problem = self.filters[s[0]].text_problem(text, gen.finished, seen)
+            problem = "looped" if gen.looped else self.filters[s[0]].text_problem(text, gen.finished, seen)
             if problem:
                 problems[s] = problem
             else:
@@ -249,10 +255,11 @@ class Synthesizer:
             stop_ids=self.reply_stops,
             pad_id=self.pad_id,
             sampling=Sampling(seed=self.opts.seed),  # greedy: what regen at temperature 0 writes
+            loop_stop=self.loop_stop,
         )
         for s, gen in zip(live, generations):
             if not gen.finished:
-                problems[s] = "reply_hit_token_limit"
+                problems[s] = "reply_looped" if gen.looped else "reply_hit_token_limit"
             else:
                 text = self.tokenizer.decode(gen.token_ids, skip_special_tokens=False)
                 conversations[s].append({"role": "assistant", "content": text})
@@ -452,6 +459,8 @@ def settings(opts: SynthOptions, tasks: list[SynthTask]) -> dict[str, Any]:
     used, so state files from before they existed still resume."""
     values = asdict(opts)
     current = {k: values[k] for k in STATE_KEYS}
+    if opts.stop_loops:  # a turn that would have left its loop is dropped: other rows
+        current["stop_loops"] = True
     if opts.task_file:
         current["tasks"] = [t.to_dict() for t in tasks]
     if opts.heldout_per_task:

@@ -54,6 +54,7 @@ from dflash_train.generate.decode_attention import (
     decoding_with,
     default_decode_attention,
 )
+from dflash_train.generate.loops import LoopStop, looping_rows
 from dflash_train.generate.sampling import (
     Generation,
     PaddedEngine,
@@ -191,11 +192,13 @@ class SlotEngine:
         pad_id: int,
         sampling: Sampling,
         on_rows: RowsCallback | None = None,
+        loop_stop: LoopStop | None = None,
     ) -> list[Generation]:
-        """Continue every prompt until a stop id or ``max_new_tokens``; ``keys`` seed each row's draws."""
+        """Continue every prompt until a stop id or ``max_new_tokens``; ``keys`` seed each row's draws;
+        with ``loop_stop``, also until the row repeats itself (``generate/loops.py``; ``looped``)."""
         check_request(prompts, keys, max_new_tokens)
         self.set_stops(stop_ids)
-        run = Run(self, prompts, keys, max_new_tokens, pad_id, sampling, on_rows)
+        run = Run(self, prompts, keys, max_new_tokens, pad_id, sampling, on_rows, loop_stop)
         run.loop()
         return run.results
 
@@ -328,8 +331,12 @@ class StepSpec:
 class Run:
     """One ``generate`` call: the queue, which row occupies which slot, and the collected results."""
 
-    def __init__(self, engine: SlotEngine, prompts, keys, max_new_tokens, pad_id, sampling, on_rows):
+    def __init__(
+        self, engine: SlotEngine, prompts, keys, max_new_tokens, pad_id, sampling, on_rows, loop_stop
+    ):
         self.engine = engine
+        self.loop_stop = loop_stop
+        self.looped = torch.zeros(engine.num_slots, dtype=torch.bool, device=engine.device)
         self.prompts = [list(p) for p in prompts]
         self.keys = list(keys)
         self.max_new_tokens = max_new_tokens
@@ -412,6 +419,10 @@ class Run:
     def collect(self) -> None:
         """Finished rows' tokens into ``results``; their slots become free (one sync)."""
         engine = self.engine
+        if self.loop_stop is not None:  # a looping row ends here, as if at its token limit
+            looping = looping_rows(engine.generated, engine.steps, self.loop_stop) & ~engine.done
+            self.looped |= looping
+            engine.done |= looping
         done = engine.done.tolist()  # host sync: which rows ended (the loop's only regular sync)
         finished = [slot for slot in self.occupant if done[slot]]
         if not finished:
@@ -419,11 +430,13 @@ class Run:
         index = torch.as_tensor(finished, dtype=torch.long, device=engine.device)
         tokens = engine.generated[index, : self.max_new_tokens].tolist()
         counts, stopped = engine.steps[index].tolist(), engine.stopped[index].tolist()
+        looped = self.looped[index].tolist()
+        self.looped[index] = False
         num_tokens = 0
-        for slot, row_tokens, count, stop in zip(finished, tokens, counts, stopped):
+        for slot, row_tokens, count, stop, loop in zip(finished, tokens, counts, stopped, looped):
             row_tokens = row_tokens[:count]
             stop_id = row_tokens.pop() if stop else None
-            self.results[self.occupant.pop(slot)] = Generation(row_tokens, bool(stop), stop_id)
+            self.results[self.occupant.pop(slot)] = Generation(row_tokens, bool(stop), stop_id, loop)
             del self.bound[slot]
             self.free.append(slot)
             num_tokens += count

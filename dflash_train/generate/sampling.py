@@ -28,10 +28,11 @@ Shapes: R rows, L padded prompt length, V vocab.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from dflash_train.generate.loops import LoopStop, looping_rows
 from dflash_train.generate.nucleus import nucleus_tokens
 from dflash_train.hashing import shift_right_logical, splitmix64
 
@@ -56,11 +57,13 @@ class Sampling:
 
 @dataclass
 class Generation:
-    """One row's new tokens (stop token excluded), whether it ended on a stop token, and which."""
+    """One row's new tokens (stop token excluded), whether it ended on a stop token, and which;
+    ``looped``: ended early because it repeated itself (``generate/loops.py``)."""
 
     token_ids: list[int]
     finished: bool
     stop_id: int | None = None
+    looped: bool = False
 
 
 def row_streams(seed: int, keys: torch.Tensor) -> torch.Tensor:
@@ -109,8 +112,10 @@ def sample_batch(
     stop_ids: Collection[int],
     pad_id: int,
     sampling: Sampling,
+    loop_stop: LoopStop | None = None,
 ) -> list[Generation]:
-    """Continue every prompt until a stop id or ``max_new_tokens``; ``keys`` seed each row's draws."""
+    """Continue every prompt until a stop id or ``max_new_tokens``; ``keys`` seed each row's draws;
+    with ``loop_stop``, also until the row repeats itself (checked every ``CHECK_EVERY`` steps)."""
     check_request(prompts, keys, max_new_tokens)
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_id, device)
@@ -122,6 +127,10 @@ def sample_batch(
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
     cache, last_pos = out.past_key_values, positions[:, -1:]
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    looped = torch.zeros_like(done)  # by original row
+    history = (
+        torch.zeros((len(prompts), max_new_tokens), dtype=torch.long, device=device) if loop_stop else None
+    )
     steps: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (rows, tokens, done before)
     for step in range(max_new_tokens):
         tokens = choose_tokens(out.logits[:, -1].float(), row_uniforms(streams, hashed_steps[step]), sampling)
@@ -129,7 +138,13 @@ def sample_batch(
         done = done | torch.isin(tokens, stops)
         if step == max_new_tokens - 1:
             break
+        if loop_stop is not None:
+            history[rows, step] = tokens
         if (step + 1) % CHECK_EVERY == 0:
+            if loop_stop is not None:  # every row still running has step + 1 tokens
+                looping = looping_rows(history[rows], torch.full_like(rows, step + 1), loop_stop) & ~done
+                looped[rows] |= looping
+                done = done | looping
             num_running = int((~done).sum())  # host sync: needed to stop early and to compact
             if num_running == 0:
                 break
@@ -149,7 +164,8 @@ def sample_batch(
             past_key_values=cache,
             use_cache=True,
         )
-    return collect(steps, len(prompts), stops)
+    generations = collect(steps, len(prompts), stops)
+    return [replace(g, looped=bool(x)) for g, x in zip(generations, looped.tolist(), strict=True)]
 
 
 def compact_cache(cache, keep: torch.Tensor) -> bool:
@@ -196,7 +212,9 @@ class PaddedEngine:
         self.generated_tokens = 0
 
     @torch.no_grad()
-    def generate(self, prompts, keys, *, max_new_tokens, stop_ids, pad_id, sampling, on_rows=None):
+    def generate(
+        self, prompts, keys, *, max_new_tokens, stop_ids, pad_id, sampling, on_rows=None, loop_stop=None
+    ):
         check_request(prompts, keys, max_new_tokens)
         results: list[Generation | None] = [None] * len(prompts)
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
@@ -210,6 +228,7 @@ class PaddedEngine:
                 stop_ids=stop_ids,
                 pad_id=pad_id,
                 sampling=sampling,
+                loop_stop=loop_stop,
             )
             for i, generation in zip(batch, generations, strict=True):
                 results[i] = generation
