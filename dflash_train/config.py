@@ -300,10 +300,14 @@ def validate_sittings(cfg: RunConfig) -> None:
     t, limited = cfg.train, bool(cfg.train.time_limit_s or cfg.train.steps_per_process)
     if t.time_limit_s < 0 or t.steps_per_process < 0:
         raise ValueError("train.time_limit_s and train.steps_per_process must be >= 0 (0 = no limit).")
-    if limited and (t.placement == "split" or cfg.checkpoint.resume == "never"):
+    # resume=never starts over; a named checkpoint is resumed by every sitting (the same command), which
+    # sets the later sittings' checkpoints aside as abandoned: both would repeat one sitting for ever.
+    if limited and (t.placement == "split" or cfg.checkpoint.resume != "auto"):
         raise (NotImplementedError if t.placement == "split" else ValueError)(
             "train.time_limit_s / train.steps_per_process need train.placement=colocated (split placement: end "
-            "a sitting with SIGTERM) and checkpoint.resume=auto (the next sitting must continue the run)."
+            "a sitting with SIGTERM) and checkpoint.resume=auto (the next sitting must continue the run; "
+            f"resume={cfg.checkpoint.resume!r} would make every sitting start from the same place: to continue "
+            "from a given checkpoint, run it once without the sitting keys, or copy it into output_dir)."
         )
 
 

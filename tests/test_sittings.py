@@ -221,6 +221,12 @@ def test_steps_per_process_count_from_where_the_process_started():
     [
         (["train.time_limit_s=-1"], ValueError, "must be >= 0"),
         (["train.steps_per_process=5", "checkpoint.resume=never"], ValueError, "checkpoint.resume=auto"),
+        # A named checkpoint: every sitting (the same command) would resume it and set aside the last one's.
+        (
+            ["train.time_limit_s=540", "checkpoint.resume=/runs/x/checkpoints/step-00000004"],
+            ValueError,
+            "same place",
+        ),
         (
             ["train.time_limit_s=540", "train.placement=split", "train.target_ranks=1"],
             NotImplementedError,

@@ -328,6 +328,38 @@ def test_a_failed_save_stops_the_target_ranks_with_the_drafters_at_once(setup, f
     assert seconds < 150
 
 
+def test_a_colocated_checkpoint_owing_an_evaluation_resumes_split_and_finishes(setup):
+    """A colocated sitting that stopped on an evaluation step owes that evaluation; split placement
+    runs none (it refuses eval.prompts), so it says so and drops it: the split run finishes and its
+    checkpoints owe nothing (before, it never counted as finished and every rerun re-exported)."""
+    import torch
+
+    root, overrides = setup
+    run_dir = root / "owed-then-split"
+    evaluated = [
+        f"eval.prompts=[{root / 'chat.jsonl'}]", "eval.every_steps=3", "eval.num_prompts=2", "eval.max_new_tokens=8",
+    ]  # fmt: skip
+    colocated = {"mode": "colocated", "overrides": [*overrides, f"output_dir={run_dir}", *evaluated]}
+    codes, _ = launch(
+        {**colocated, "overrides": [*colocated["overrides"], "train.steps_per_process=3"]}, 1, run_dir
+    )
+    assert codes == [0], logs(run_dir)
+    state = torch.load(run_dir / "checkpoints" / "step-00000003" / "state.pt", weights_only=False)
+    assert state["owed_eval_step"] == 3  # stopped on its evaluation step
+    codes, _ = launch(
+        {"mode": "split", "overrides": [*overrides, f"output_dir={run_dir}", *split_overrides(1, 1)]},
+        2,
+        run_dir,
+    )
+    assert codes == [0, 0], logs(run_dir)
+    drafter = json.loads((run_dir / "results" / "rank1.json").read_text())
+    assert drafter["finished"] is True and drafter["step"] == 6, drafter
+    state = torch.load(run_dir / "checkpoints" / "step-00000006" / "state.pt", weights_only=False)
+    assert state["owed_eval_step"] is None
+    said = "".join(p.read_text() for p in run_dir.glob("rank*.log"))
+    assert "the one owed at step 3 is not run" in said
+
+
 def test_a_refused_resume_stops_the_target_ranks_with_the_drafters(setup):
     """A resume the drafter ranks refuse (here a changed train.gamma) is the same one-line error on
     the target ranks, at once, not a gloo error when the drafters exit."""

@@ -281,6 +281,11 @@ def run_drafter_rank(
 ) -> dict[str, Any]:
     """Colocated training over the drafter group, with features received instead of computed."""
     run, ctx = build_drafter_run(cfg, layout, info, group, stream_group)
+    if run.owed_eval_step is not None:  # a colocated checkpoint's; split evaluates nothing (no eval.prompts)
+        log_main(
+            f"split placement runs no held-out evaluation: the one owed at step {run.owed_eval_step} is not run"
+        )
+        run.owed_eval_step = None  # else the run never counts as finished, and every checkpoint owes it
     logger = open_logger(run)
     timer, window = PhaseTimer(info.device), LogWindow(run.step)
     last_loss, saved, busy_s = float("nan"), None, 0.0
