@@ -127,6 +127,23 @@ def test_a_failed_run_info_write_stops_every_rank_with_its_error(task, tmp_path)
     )
 
 
+def two_rank_ddp_worker(rank: int, port: int, task: dict, out_dir: str) -> None:
+    become_rank(rank, 2, port)
+    train_and_record(rank, task, out_dir, "train.parallel=ddp", "train.max_steps=2")
+
+
+def test_a_metrics_log_rank_0_cannot_open_stops_every_rank_with_its_error(task, tmp_path):
+    """Rank 0 alone opens metrics.jsonl (here a directory stands in its place): every rank raises the
+    same error naming the log, instead of rank 1 failing on a closed connection in its first
+    collective (gloo) or waiting there until train.dist_timeout_s (NCCL)."""
+    out = tmp_path / "run"
+    (out / "metrics.jsonl").mkdir(parents=True)
+    spawn_ranks(two_rank_ddp_worker, (free_port(), task, str(out)), nprocs=2, timeout_s=150)
+    outcomes = rank_outcomes(out)
+    assert outcomes[0] == outcomes[1], outcomes
+    assert outcomes[0].startswith(f"RuntimeError: opening the metrics log in {out} failed: "), outcomes
+
+
 def test_a_failed_export_stops_every_rank_with_its_error(task, tmp_path):
     """Rank 0 cannot write the final export: every rank raises the same error naming it (the last
     checkpoint is committed), instead of the other ranks waiting at the export's barrier."""

@@ -142,18 +142,22 @@ def run_info_failure(output_dir: str | Path, message: str) -> RuntimeError:
 
 
 def open_logger(run: Run) -> MetricsLogger:
-    """The run's metrics logger (rank 0 of the run's group writes), continuing at ``run.step``: rows
-    an earlier process logged after that step (it died before their checkpoint) are dropped, and so
-    is the owed evaluation's row if an earlier try of it got that far, since both are logged again."""
-    return MetricsLogger(
-        Path(run.cfg.output_dir),
-        run.cfg.logging,
-        total_steps=run.total_steps,
-        is_main=run.info.is_main,
-        config_dict=run.cfg.to_dict(),
-        start_step=run.step,
-        redo_eval_at_start=run.owed_eval_step is not None,
-    )
+    """The run's metrics logger (rank 0 of the run's group writes; a failure stops every rank), from
+    ``run.step``: rows an earlier process logged after it, and the owed evaluation's, are dropped."""
+    opened = []
+    error = attempt(lambda: opened.append(MetricsLogger(
+        Path(run.cfg.output_dir), run.cfg.logging, total_steps=run.total_steps, is_main=run.info.is_main,
+        config_dict=run.cfg.to_dict(), start_step=run.step, redo_eval_at_start=run.owed_eval_step is not None,
+    )))  # fmt: skip
+    message = any_rank_error(error, group=run.group)
+    if message is None:
+        return opened[0]
+    for logger in opened:
+        logger.close()
+    raise RuntimeError(
+        f"opening the metrics log in {run.cfg.output_dir} failed: {message}; make output_dir writable (or free "
+        "space there, or fix the logging settings) and run the same command again"
+    ) from error
 
 
 def save_due(run: Run, stopping: bool) -> bool:
