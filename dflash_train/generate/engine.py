@@ -336,7 +336,9 @@ class Run:
     ):
         self.engine = engine
         self.loop_stop = loop_stop
-        self.looped = torch.zeros(engine.num_slots, dtype=torch.bool, device=engine.device)
+        self.looped = (
+            torch.zeros(engine.num_slots, dtype=torch.bool, device=engine.device) if loop_stop else None
+        )
         self.prompts = [list(p) for p in prompts]
         self.keys = list(keys)
         self.max_new_tokens = max_new_tokens
@@ -430,8 +432,10 @@ class Run:
         index = torch.as_tensor(finished, dtype=torch.long, device=engine.device)
         tokens = engine.generated[index, : self.max_new_tokens].tolist()
         counts, stopped = engine.steps[index].tolist(), engine.stopped[index].tolist()
-        looped = self.looped[index].tolist()
-        self.looped[index] = False
+        looped = [False] * len(finished)
+        if self.looped is not None:  # one more small copy, only where loops are stopped
+            looped = self.looped[index].tolist()
+            self.looped[index] = False
         num_tokens = 0
         for slot, row_tokens, count, stop, loop in zip(finished, tokens, counts, stopped, looped):
             row_tokens = row_tokens[:count]

@@ -165,6 +165,8 @@ def sample_batch(
             use_cache=True,
         )
     generations = collect(steps, len(prompts), stops)
+    if loop_stop is None:
+        return generations
     return [replace(g, looped=bool(x)) for g, x in zip(generations, looped.tolist(), strict=True)]
 
 
