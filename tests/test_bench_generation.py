@@ -17,7 +17,7 @@ def test_the_generation_mode_reports_engines_agreement_and_the_decode_profile(tm
     code = main([
         "bench", "generation", "--preset", "tiny-qwen3", "--device", "cpu", "--num-prompts", "3",
         "--batch-sizes", "2", "--max-new-tokens", "64", "--engines", "padded,slots,slots-flex",
-        "--profile", "--sampler-shapes", "3x256,2x1000", "--out", str(out), "--no-progress", "--json",
+        "--profile", "--sampler-shapes", "3x256,2x1000", "--attention-shapes", "3x256", "--out", str(out), "--no-progress", "--json",
     ])  # fmt: skip
     assert code == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -37,6 +37,13 @@ def test_the_generation_mode_reports_engines_agreement_and_the_decode_profile(tm
     ]
     for record in result["sampler"]:
         assert record["sort_ms"] > 0 and record["sort_free_ms"] > 0 and record["nucleus_rows_differing"] == 0
+    (attention,) = result["attention"]
+    assert (attention["slots"], attention["kv"], attention["status"]) == (3, 256, "ok")
+    # tiny-qwen3's head layout, each kernel timed and equal to the fp32 reference (fp32 here)
+    assert (attention["heads"], attention["kv_heads"]) == (4, 2)
+    assert 0 < attention["live_mb"] < attention["bucket_mb"]
+    for kernel in ("grouped", "grouped_compiled", "flex", "sdpa_gqa"):
+        assert attention[f"{kernel}_ms"] > 0 and attention[f"{kernel}_max_abs_diff"] < 1e-5, kernel
 
 
 def test_the_generation_mode_reports_the_compiled_steps_compilations(tmp_path, capsys, monkeypatch):
@@ -74,3 +81,9 @@ def test_malformed_sampler_shapes_are_refused_with_the_format(capsys):
     code = main(["bench", "generation", "--preset", "tiny-qwen3", "--sampler-shapes", "1024,49152"])
     assert code != 0
     assert "a comma list of ROWSxVOCAB" in capsys.readouterr().err
+
+
+def test_attention_shapes_are_buckets(capsys):
+    code = main(["bench", "generation", "--preset", "tiny-qwen3", "--attention-shapes", "1024x300"])
+    assert code != 0
+    assert "KV is a multiple of 256" in capsys.readouterr().err

@@ -33,7 +33,9 @@ in the warm-up (``warmup_decode_compiles``, ``warmup_decode_compile_s``) and in 
 
 ``--sampler-shapes 1024x49152,64x248320`` first times the top-p draw alone at each ROWSxVOCAB shape
 (``bench.sampler_timing``): the sort-based draw the engines ran before against the sort-free one,
-each captured in a CUDA graph as the decode step runs it.
+each captured in a CUDA graph as the decode step runs it. ``--attention-shapes 1024x256,1024x1024`` times
+one layer's decode attention alone at each SLOTSxKV shape, per kernel the step could run
+(``bench.attention_timing``: grouped eager and compiled, flex over live blocks, sdpa with GQA).
 
 Random-weight presets rarely emit EOS: ``--num-stop-ids K`` makes K random token ids stop ids so
 rows end at different lengths (what continuous batching is for); a checkpoint stops at its EOS ids.
@@ -59,6 +61,7 @@ from typing import Any
 
 import torch
 
+from dflash_train.bench.attention_timing import ATTENTION_KERNELS, time_attentions
 from dflash_train.bench.decode_profile import profile_decode
 from dflash_train.bench.progress import StepLimits, StepProgress
 from dflash_train.bench.sampler_timing import time_samplers
@@ -105,6 +108,8 @@ class GenerationBenchOptions(StepLimits):
     profile: bool = False
     # Comma list of ROWSxVOCAB shapes at which to time the top-p draw alone (sort vs sort-free); "" = none.
     sampler_shapes: str = ""
+    # Comma list of SLOTSxKV shapes at which to time one layer's decode attention alone; "" = none.
+    attention_shapes: str = ""
     dtype: str = "auto"
     device: str = "auto"
     out: str = ""
@@ -118,6 +123,7 @@ class GenerationBenchOptions(StepLimits):
         if not self.batch_size_list or min(self.batch_size_list) < 1 or min(self.prompt_len_range) < 1:
             raise ValueError("--batch-sizes and --prompt-len take positive integers, e.g. 64,256 and 32,256")
         self.sampler_shape_list  # noqa: B018 (raises on a malformed list)
+        self.attention_shape_list  # noqa: B018
 
     @property
     def engine_list(self) -> list[str]:
@@ -129,17 +135,29 @@ class GenerationBenchOptions(StepLimits):
 
     @property
     def sampler_shape_list(self) -> list[tuple[int, int]]:
-        shapes = [shape.split("x") for shape in self.sampler_shapes.split(",") if shape]
-        if any(len(s) != 2 or not all(n.isdigit() and int(n) > 0 for n in s) for s in shapes):
+        return shape_list("--sampler-shapes", self.sampler_shapes, "ROWSxVOCAB, e.g. 1024x49152")
+
+    @property
+    def attention_shape_list(self) -> list[tuple[int, int]]:
+        shapes = shape_list("--attention-shapes", self.attention_shapes, "SLOTSxKV, e.g. 1024x256")
+        if any(kv % 256 for _, kv in shapes):
             raise ValueError(
-                f"--sampler-shapes {self.sampler_shapes!r}: a comma list of ROWSxVOCAB, e.g. 1024x49152"
+                f"--attention-shapes {self.attention_shapes!r}: KV is a multiple of 256 (a bucket)"
             )
-        return [(int(rows), int(vocab)) for rows, vocab in shapes]
+        return shapes
 
     @property
     def prompt_len_range(self) -> tuple[int, int]:
         low, _, high = self.prompt_len.partition(",")
         return int(low), int(high or low)
+
+
+def shape_list(flag: str, value: str, form: str) -> list[tuple[int, int]]:
+    """ "AxB,CxD" -> [(A, B), (C, D)] of positive integers, or a ValueError naming the flag."""
+    shapes = [shape.split("x") for shape in value.split(",") if shape]
+    if any(len(s) != 2 or not all(n.isdigit() and int(n) > 0 for n in s) for s in shapes):
+        raise ValueError(f"{flag} {value!r}: a comma list of {form}")
+    return [(int(a), int(b)) for a, b in shapes]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -164,6 +182,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", action="store_true", help="profile the slot engine's decode step")
     parser.add_argument(
         "--sampler-shapes", default="", help="time the top-p draw alone (sort vs sort-free) at ROWSxVOCAB,..."
+    )
+    parser.add_argument(
+        "--attention-shapes",
+        default="",
+        help="time one layer's decode attention alone per kernel at SLOTSxKV,...",
     )
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--device", default="auto")
@@ -319,6 +342,7 @@ def run_generation_bench(options: GenerationBenchOptions) -> dict[str, Any]:
         "agreement": [],
         "profiles": [],
         "sampler": [],
+        "attention": [],
     }
 
     def save() -> None:
@@ -328,9 +352,13 @@ def run_generation_bench(options: GenerationBenchOptions) -> dict[str, Any]:
     # profiled: the plain slot engine's step, and the compiled one's when slots-compiled is benched
     profiled = [False, True][: 1 + ("slots-compiled" in engines)] if options.profile else []
     num_steps = len(sizes) * (2 * len(engines) + len(engines) - 1 + len(profiled))
-    with StepProgress("generation", num_steps + len(options.sampler_shape_list), options) as progress:
+    alone = len(options.sampler_shape_list) + len(options.attention_shape_list)
+    with StepProgress("generation", num_steps + alone, options) as progress:
         for rows, vocab in options.sampler_shape_list:
             result["sampler"].append(sampler_step(rows, vocab, device, progress))
+            save()
+        for slots, kv in options.attention_shape_list:
+            result["attention"].append(attention_step(model, slots, kv, device, dtype, progress))
             save()
         for batch_size in sizes:
             for compiled in profiled:
@@ -388,6 +416,16 @@ def sampler_step(rows: int, vocab: int, device: torch.device, progress) -> dict:
     return guarded({"rows": rows, "vocab": vocab}, step)[0]
 
 
+def attention_step(model, slots: int, kv: int, device: torch.device, dtype: torch.dtype, progress) -> dict:
+    config = model.config.get_text_config(decoder=True)
+
+    def step():
+        with progress.step(f"attention {slots}x{kv}"):
+            return time_attentions(slots, kv, config, device, dtype), None
+
+    return guarded({"slots": slots, "kv": kv}, step)[0]
+
+
 def print_table(result: dict) -> None:
     """The runs, the decode profiles and the agreement, for a reader (stderr)."""
     lines = [
@@ -419,6 +457,17 @@ def print_table(result: dict) -> None:
         lines.append(
             f"top-p draw at {r['rows']}x{r['vocab']}: sort {r['sort_ms']:.3f} ms, sort-free {r['sort_free_ms']:.3f} ms "
             f"(x{r['speedup']}); nucleus differs in {r['nucleus_rows_differing']} rows"
+        )
+    for r in result["attention"]:
+        times = ", ".join(
+            f"{name} {r[f'{name}_ms']:.3f} ms" if f"{name}_ms" in r else f"{name} failed"
+            for name in ATTENTION_KERNELS
+        )
+        lines.append(
+            f"decode attention at {r['slots']}x{r['kv']}: {times} (bucket {r.get('bucket_mb')} MB, "
+            f"live {r.get('live_mb')} MB)"
+            if r.get("status") == "ok"
+            else f"decode attention at {r['slots']}x{r['kv']}: {r.get('status')}"
         )
     for a in result["agreement"]:
         if "rows_identical" not in a:
