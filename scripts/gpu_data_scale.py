@@ -82,6 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--max-samples", type=int, default=0, help="synth --max-samples (0 = 20 per row)")
     p.add_argument("--synth-step-rows", type=int, default=8192)
+    p.add_argument("--synth-args", default="", help="more synth flags, e.g. --stop-loops")
     p.add_argument("--regen-batch-size", type=int, default=1024)
     p.add_argument("--regen-max-new-tokens", type=int, default=512)
     p.add_argument("--regen-step-rows", type=int, default=8192)
@@ -210,6 +211,7 @@ def synth_stage(args, status: dict) -> None:
             str(args.max_prompt_tokens),
             "--max-samples",
             str(args.max_samples),
+            *args.synth_args.split(),
             *(["--device", args.device] if args.device else []),
             "--json",
         ]

@@ -333,3 +333,19 @@ def test_a_data_scale_job_evaluates_unfinished_runs_only_when_asked(scale):
     evaluated at its newest checkpoint (gpu_quality.export_dir), else only finished runs are."""
     assert scale.parse_args(["--target", "t"]).eval_unfinished is False
     assert scale.parse_args(["--target", "t", "--eval-unfinished"]).eval_unfinished is True
+
+
+def test_synth_args_reach_the_synth_command(scale, tmp_path, monkeypatch):
+    """--synth-args (e.g. --stop-loops) are passed to every synth call of the stage."""
+    commands = []
+    monkeypatch.setattr(
+        scale, "stepped", lambda args, status, stage, command, *rest: commands.append(command(64))
+    )
+    monkeypatch.setattr(scale.bundles, "bundle_synth", lambda args: None)
+    args = scale_args(
+        tmp_path, target="T", task_file="chat-tasks", heldout_per_task=2, synth_batch_size=8,
+        max_prompt_tokens=256, max_samples=0, synth_args="--stop-loops", device="", num_rows=64, synth_step_rows=64,
+    )  # fmt: skip
+    scale.synth_stage(args, {})
+    (command,) = commands
+    assert command[0] == "synth" and "--stop-loops" in command and command[-1] == "--json"
