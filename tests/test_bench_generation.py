@@ -42,7 +42,7 @@ def test_the_generation_mode_reports_engines_agreement_and_the_decode_profile(tm
     # tiny-qwen3's head layout, each kernel timed and equal to the fp32 reference (fp32 here)
     assert (attention["heads"], attention["kv_heads"]) == (4, 2)
     assert 0 < attention["live_mb"] < attention["bucket_mb"]
-    for kernel in ("grouped", "grouped_compiled", "flex", "sdpa_gqa"):
+    for kernel in ("grouped", "grouped_compiled", "flex", "flex_unpadded", "sdpa_gqa"):
         assert attention[f"{kernel}_ms"] > 0 and attention[f"{kernel}_max_abs_diff"] < 1e-5, kernel
 
 

@@ -58,6 +58,33 @@ def test_both_kernels_equal_the_reference_on_ragged_lengths():
     assert grouped.shape == (slots, 1, 3 * kv_heads, dim)
 
 
+def test_flex_pads_a_group_to_a_power_of_two_and_drops_the_padding(monkeypatch):
+    """Inductor's decoding kernel needs a power-of-two group: 3 query heads per key/value head reach
+    FlexAttention as 4 (a zero query head), and the result is the reference's 3."""
+    from dflash_train.generate import decode_attention
+
+    seen = []
+
+    def recording(device_type):
+        def call(query, *args, **kwargs):
+            seen.append(query.shape[1])
+            return decode_attention.flex_attention(query, *args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(decode_attention, "flex_kernel", recording)
+    torch.manual_seed(0)
+    slots, kv_heads, capacity, dim = 3, 2, FLEX_BLOCK, 8
+    positions = torch.tensor([0, 7, capacity - 1])
+    key, value = torch.randn(2, slots, kv_heads, capacity, dim)
+    for groups, flex_heads in ((3, 8), (2, 4), (1, 2)):
+        query = torch.randn(slots, groups * kv_heads, 1, dim)
+        mask = LiveBlockMask(positions, capacity).build()
+        got, _ = slot_decode_attention(Heads(), query, key, value, mask)
+        torch.testing.assert_close(got, reference_attention(query, key, value, positions, groups))
+        assert seen.pop() == flex_heads
+
+
 def test_the_live_block_mask_lists_only_each_slots_blocks():
     positions = torch.tensor([0, FLEX_BLOCK, 3 * FLEX_BLOCK - 1])
     mask = LiveBlockMask(positions, 4 * FLEX_BLOCK).build()

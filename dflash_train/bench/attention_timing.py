@@ -4,7 +4,10 @@ step could run (the question of "attention over what slots hold"):
 
 - ``grouped``: the engine's default (``generate.decode_attention.grouped_attention``), eager;
 - ``grouped_compiled``: the same function under ``torch.compile``, as the compiled decode step runs it;
-- ``flex``: FlexAttention over each slot's live blocks (``LiveBlockMask``), compiled on CUDA;
+- ``flex``: FlexAttention over each slot's live blocks (``LiveBlockMask``), compiled on CUDA, as the
+  engine calls it (``flex_decode``: query heads per key/value head padded to a power of two);
+- ``flex_unpadded``: the same without the padding (the general kernel where the group is not a power
+  of two);
 - ``sdpa_gqa``: ``scaled_dot_product_attention(..., enable_gqa=True)`` with the same additive bias.
 
 The cache is laid out as the engine's ([S, Hkv, C + 1, D], attended through a view of its first KV
@@ -26,9 +29,15 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from dflash_train.generate.decode_attention import FLEX_BLOCK, LiveBlockMask, flex_kernel, grouped_attention
+from dflash_train.generate.decode_attention import (
+    FLEX_BLOCK,
+    LiveBlockMask,
+    flex_decode,
+    flex_kernel,
+    grouped_attention,
+)
 
-ATTENTION_KERNELS = ("grouped", "grouped_compiled", "flex", "sdpa_gqa")
+ATTENTION_KERNELS = ("grouped", "grouped_compiled", "flex", "flex_unpadded", "sdpa_gqa")
 
 
 def decode_inputs(slots: int, kv: int, heads: int, kv_heads: int, head_dim: int, dtype, device) -> dict:
@@ -67,7 +76,8 @@ def kernels(inputs: dict) -> dict[str, Callable[[], torch.Tensor]]:
     calls = {
         "grouped": lambda: grouped_attention(q, k, v, bias, None),
         "grouped_compiled": lambda: compiled(q, k, v, bias, None),
-        "flex": lambda: flex(q, k_all, v_all, block_mask=live.build(), enable_gqa=True),
+        "flex": lambda: flex_decode(q, k_all, v_all, live.build(), None),
+        "flex_unpadded": lambda: flex(q, k_all, v_all, block_mask=live.build(), enable_gqa=True),
         "sdpa_gqa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True),
     }
     assert tuple(calls) == ATTENTION_KERNELS

@@ -15,9 +15,13 @@ key/value head h // G, transformers' convention):
   lists only the cache blocks up to its position, so the decoding kernel reads the blocks the slot
   really holds, whatever the capacity or the other slots' lengths. Compiled on CUDA (the flex
   decoding kernel, GQA heads packed per key/value head); uncompiled elsewhere (slow, for tests).
-  Measured on one H200 it is slower than ``grouped`` at chat lengths (SmolLM2-135M, 1,024 slots:
-  11.3 vs 7.6 ms per step; the Qwen3.6-27B shape: equal), so it is an option, for very ragged or
-  long contexts where a bucket would read far more than the live tokens.
+  Inductor lowers it to its split-KV decoding kernel only when the query heads per key/value head
+  are a power of two (``flex_decoding._use_flex_decoding``); other groups (SmolLM2-135M's 3, the
+  Qwen3.6-27B shape's 6) fell back to the general kernel, one 16-row query block per query head. So
+  the group is padded with zero query heads to the next power of two, whose outputs are dropped.
+  Measured on one H200 before that padding, it was slower than ``grouped`` at chat lengths
+  (SmolLM2-135M, 1,024 slots: 11.3 vs 7.6 ms per step; the Qwen3.6-27B shape: equal), so it is an
+  option, for very ragged or long contexts where a bucket would read far more than the live tokens.
 
 Both are one function registered with transformers' attention interface (``SLOT_DECODE``) that
 dispatches on the mask it is handed; the engine switches a model to it for its decode steps only
@@ -33,6 +37,7 @@ import functools
 import inspect
 
 import torch
+import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 
@@ -60,9 +65,7 @@ def slot_decode_attention(
     assert query.shape[2] == 1, "the slot decode attention takes one query token per slot"
     assert dropout == 0.0 and kwargs.get("sliding_window") is None, "decode only, full attention only"
     if isinstance(attention_mask, BlockMask):
-        out = flex_kernel(query.device.type)(
-            query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=True
-        )
+        out = flex_decode(query, key, value, attention_mask, scaling)
     elif isinstance(attention_mask, torch.Tensor):
         out = grouped_attention(query, key, value, attention_mask, scaling)
     else:
@@ -82,6 +85,32 @@ def grouped_attention(
     scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * scale  # [S, Hkv, G, kv]
     probs = torch.softmax(scores + bias.float(), dim=-1).to(value.dtype)
     return torch.matmul(probs, value).view(slots, num_heads, 1, head_dim)
+
+
+def flex_decode(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: BlockMask, scaling: float | None
+) -> torch.Tensor:
+    """FlexAttention over each slot's live blocks, the query heads of a key/value head padded with
+    zeros to a power of two (the condition of inductor's decoding kernel): [S, Hq, 1, D]."""
+    slots, num_heads, _, head_dim = query.shape
+    kv_heads = key.shape[1]
+    groups = num_heads // kv_heads
+    padded = padded_group(groups)
+    if padded != groups:
+        grouped = query.view(slots, kv_heads, groups, head_dim)
+        query = F.pad(grouped, (0, 0, 0, padded - groups)).view(slots, kv_heads * padded, 1, head_dim)
+    scale = head_dim**-0.5 if scaling is None else scaling
+    out = flex_kernel(query.device.type)(
+        query, key, value, block_mask=block_mask, scale=scale, enable_gqa=True
+    )
+    if padded == groups:
+        return out
+    return out.view(slots, kv_heads, padded, head_dim)[:, :, :groups].reshape(slots, num_heads, 1, head_dim)
+
+
+def padded_group(groups: int) -> int:
+    """The power of two at or above ``groups`` query heads per key/value head."""
+    return 1 << (groups - 1).bit_length()
 
 
 @functools.cache
