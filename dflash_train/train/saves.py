@@ -12,6 +12,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from dflash_train.train import checkpoint as ckpt
 from dflash_train.train import checkpoint_space as space
 from dflash_train.train.faults import any_rank_flags
@@ -29,27 +31,35 @@ def save(run: Run, **extra: Any) -> Path:
     """
     settle_saves(run)
     warn_if_no_space(run)
+    group = checkpoint_group(run)  # made on the first save by every rank, before a phase can fail
     error = None
     if run.info.is_main:
         error = attempt(lambda: ckpt.clear_staging(run.cfg.output_dir, run.step))
     raise_if_failed(run, error, run.step)  # also the barrier: the staging folder exists for every rank
-    path = ckpt.step_folder(run.cfg.output_dir, run.step)
-    error = attempt(lambda: write_and_commit(run, extra))
+    staged: list[ckpt.StagedShards] = []
+    error = attempt(lambda: staged.append(stage(run)))
+    # Every rank staged, so every rank enters DCP's write (a collective) below; one that failed
+    # alone would leave the others waiting inside it.
+    raise_if_failed(run, error, run.step)
+    error = attempt(lambda: write_and_commit(run, staged[0], group, extra))
     run.writer.pending_step = run.step
     raise_if_failed(run, error, run.step)  # also the barrier: no rank runs ahead of a synchronous commit
-    return path
+    return ckpt.step_folder(run.cfg.output_dir, run.step)
 
 
-def write_and_commit(run: Run, extra: dict[str, Any]) -> None:
-    """This rank's shards; then rank 0's commit (inline, or started on the writer's thread)."""
+def stage(run: Run) -> ckpt.StagedShards:
+    """This rank's state to write, staged (``ckpt.stage_shards``); no collective."""
     state = ckpt.sharded_state(run.model, run.optimizer)
     if run.writer.asynchronous and run.info.device.type == "cpu":
         # On CPU the state aliases the live tensors; the background write needs its own copy.
         state = ckpt.snapshot(state)
     staging = ckpt.staging_folder(run.cfg.output_dir, run.step)
-    shards = ckpt.write_shards(
-        state, staging, group=checkpoint_group(run), asynchronous=run.writer.asynchronous
-    )
+    return ckpt.stage_shards(state, staging, asynchronous=run.writer.asynchronous)
+
+
+def write_and_commit(run: Run, staged: ckpt.StagedShards, group: Any, extra: dict[str, Any]) -> None:
+    """This rank's shards; then rank 0's commit (inline, or started on the writer's thread)."""
+    shards = ckpt.write_shards(staged, group=group)
     if run.info.is_main:
         run.writer.submit(
             run.cfg.output_dir,
@@ -73,15 +83,34 @@ def settle_saves(run: Run) -> None:
 
 def raise_if_failed(run: Run, error: BaseException | None, step: int | None) -> None:
     """The vote after a phase of a save: if it failed on any rank, rank 0 removes the step's staging
-    folder and every rank raises the one-line ``CheckpointWriteError``; without a failure, a barrier."""
+    folder and every rank raises the same one-line ``CheckpointWriteError`` (``failure_message``);
+    without a failure, a barrier."""
     if not any_rank_flags([error is not None], run.info.device, group=run.group)[0]:
         return
-    num_params = sum(p.numel() for p in unwrap(run.model).parameters())
-    message = space.describe_failure(run.cfg.output_dir, step, error, num_params)
+    message = failure_message(run, error, step)
     if run.info.is_main:
         space.remove_staging(run.cfg.output_dir, step)
     run.writer.pending_step = None
     raise space.CheckpointWriteError(message) from error
+
+
+def failure_message(run: Run, error: BaseException | None, step: int) -> str:
+    """Every rank, once a phase of the save of ``step`` failed: the message of the first rank whose
+    part failed (``error``: this rank's, None where it succeeded), naming that rank when there are
+    several, so every rank stops with the same line."""
+    num_params = sum(p.numel() for p in unwrap(run.model).parameters())
+    message = None
+    if error is not None:
+        cause = space.failure_cause(run.cfg.output_dir, step, error, num_params)
+        if run.info.distributed:
+            ranks = space.failed_ranks(error, run.info.rank)
+            cause = f"on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {cause}"
+        message = space.describe_failure(run.cfg.output_dir, step, cause, num_params)
+    if not run.info.distributed:
+        return message
+    found: list[str | None] = [None] * dist.get_world_size(run.group)
+    dist.all_gather_object(found, message, group=run.group)
+    return next(m for m in found if m is not None)
 
 
 def warn_if_no_space(run: Run) -> None:
