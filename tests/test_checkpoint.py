@@ -22,7 +22,8 @@ def write(out, step, writer=None, keep_last=2, value=0.0):
     model, optimizer = linear_state(value)
     staging = ckpt.clear_staging(out, step)
     state = ckpt.snapshot(ckpt.sharded_state(model, optimizer))
-    shards = ckpt.write_shards(state, staging, group=None, asynchronous=writer.asynchronous)
+    staged = ckpt.stage_shards(state, staging, asynchronous=writer.asynchronous)
+    shards = ckpt.write_shards(staged, group=None)
     commit = dict(drafter_config={"block_size": 4}, train_state={"step": step}, config_yaml="output_dir: x\n")
     return writer.submit(out, step, shards=shards, keep_last=keep_last, **commit), model
 
@@ -172,7 +173,8 @@ def test_export_reads_a_sharded_checkpoint_on_one_process(tmp_path):
     drafter = DFlashDrafter(config)
     optimizer = torch.optim.AdamW(drafter.parameters())
     staging = ckpt.clear_staging(tmp_path, 7)
-    ckpt.write_shards(ckpt.sharded_state(drafter, optimizer), staging, group=None, asynchronous=False)
+    state = ckpt.sharded_state(drafter, optimizer)
+    ckpt.write_shards(ckpt.stage_shards(state, staging, asynchronous=False), group=None)
     ckpt.save_checkpoint(
         tmp_path,
         7,

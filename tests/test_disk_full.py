@@ -15,7 +15,14 @@ from dflash_train.train import checkpoint as ckpt
 from dflash_train.train import checkpoint_space as space
 from dflash_train.train.trainer import run_training, train
 from tests.test_train_distributed import free_port
-from tests.train_helpers import become_rank, spawn_ranks, tiny_config, tiny_overrides
+from tests.train_helpers import (
+    become_rank,
+    rank_outcomes,
+    spawn_ranks,
+    tiny_config,
+    tiny_overrides,
+    train_and_record,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -152,8 +159,51 @@ def test_a_full_disk_behind_another_error_is_named_with_the_bytes(tmp_path, monk
     (last / "shard").write_bytes(b"\0" * 5000)
     monkeypatch.setattr(space, "free_bytes", lambda output_dir: 700)
     error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
-    message = space.describe_failure(tmp_path, 8, error, num_params=10)
+    message = space.describe_failure(tmp_path, 8, space.failure_cause(tmp_path, 8, error, 10), num_params=10)
     assert "unexpected pos 704 vs 598 (RuntimeError) writing" in message
     assert "most likely because the disk is full" in message and "\n" not in message
     assert "needs about 5,002 bytes" in message and "700 bytes (0.00 GiB) free" in message
     assert "step 4 (" in message and "is intact" in message
+
+
+def staging_fails_worker(rank: int, port: int, task: dict, out: str, async_write: str) -> None:
+    """Rank 1 alone fails before DCP's write of step 8 starts: its staging copy (asynchronous: host
+    memory runs out) or the creation of its writer (synchronous); every rank writes how it ended."""
+    become_rank(rank, 2, port)
+    if rank == 1:
+        real = ckpt._storage_writer
+
+        def writer(path):
+            if f"step-{FAILED_STEP:08d}" in str(path) and async_write == "false":
+                raise PermissionError(13, "Permission denied", str(path))
+            storage = real(path)
+            if f"step-{FAILED_STEP:08d}" in str(path):
+
+                def stage(state_dict):
+                    raise RuntimeError("out of host memory staging the checkpoint")
+
+                storage.stage = stage
+            return storage
+
+        ckpt._storage_writer = writer
+    # A rank left waiting in DCP's write or in the save's vote fails after 20 s, not the default 30 min.
+    overrides = ("train.parallel=ddp", f"checkpoint.async_write={async_write}", "train.dist_timeout_s=20")
+    train_and_record(rank, task, out, *overrides)
+
+
+@pytest.mark.parametrize("async_write", ["true", "false"])
+def test_a_save_that_fails_on_one_rank_before_the_write_stops_both_with_its_error(
+    task, tmp_path, async_write
+):
+    """Rank 1 fails before it enters DCP's write (its collectives over the checkpoint group), while
+    rank 0 is inside it: every rank raises the same line, naming rank 1 and the step, instead of rank 0
+    waiting in the write for a rank that never comes (until its exit or ``train.dist_timeout_s``)."""
+    out = tmp_path / "run"
+    out.mkdir()
+    spawn_ranks(staging_fails_worker, (free_port(), task, str(out), async_write), nprocs=2, timeout_s=120)
+    outcomes = rank_outcomes(out)
+    assert outcomes[0] == outcomes[1], outcomes
+    assert outcomes[0].startswith("CheckpointWriteError: checkpoint of step 8 not saved: on rank 1: ")
+    cause = "out of host memory" if async_write == "true" else "Permission denied"
+    assert cause in outcomes[0] and re.search(MESSAGE, outcomes[0]), outcomes[0]
+    assert_failed_cleanly(out)

@@ -405,3 +405,45 @@ def test_a_failed_export_best_stops_every_rank_with_its_error(task, prompt_files
     assert outcomes[0].startswith(
         "RuntimeError: eval: writing export-best of step 3 failed on rank 0: OSError:"
     )
+
+
+def eval_fails_worker(rank: int, port: int, task: dict, out_dir: str, prompts: list, where: str) -> None:
+    """Rank 1 alone fails inside the held-out work it does by itself: generating its prompts'
+    continuations at the start (``setup``) or evaluating them at step 3 (``eval``)."""
+    become_rank(rank, 2, port)
+    from dflash_train.eval import exact, generate
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("out of memory (injected)")
+
+    if rank == 1 and where == "setup":
+        generate.greedy_continuations = out_of_memory
+    if rank == 1 and where == "eval":
+        exact.exact_measure = out_of_memory
+    # A rank left waiting in the evaluation's gather fails after 20 s, not the default 30 min.
+    extra = ["train.parallel=ddp", "train.max_steps=4", "train.dist_timeout_s=20"]
+    train_and_record(rank, task, out_dir, *extra, *eval_overrides(prompts, every_steps=3))
+
+
+@pytest.mark.parametrize("where", ["setup", "eval"])
+def test_a_held_out_evaluation_that_fails_on_one_rank_stops_every_rank_with_its_error(
+    task, prompt_files, tmp_path, where
+):
+    """Rank 1's part of the held-out evaluation raises while rank 0's succeeds: every rank raises the
+    same error naming rank 1, instead of rank 0 waiting in the gather of results (or the first
+    step's collective) for a rank that left."""
+    from tests.test_train_distributed import free_port
+
+    out = tmp_path / "run"
+    out.mkdir()
+    spawn_ranks(
+        eval_fails_worker, (free_port(), task, str(out), prompt_files, where), nprocs=2, timeout_s=120
+    )
+    outcomes = rank_outcomes(out)
+    assert outcomes[0] == outcomes[1], outcomes
+    what = (
+        "generating the held-out continuations" if where == "setup" else "the held-out evaluation of step 3"
+    )
+    assert outcomes[0].startswith(
+        f"RuntimeError: eval: {what} failed on rank 1: RuntimeError: out of memory (injected); "
+    ), outcomes[0]

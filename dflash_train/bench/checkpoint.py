@@ -220,9 +220,8 @@ def save_dcp(out: Path, step: int, model, optimizer, config, writer) -> tuple[fl
     writer.wait()
     ckpt.clear_staging(out, step)
     state = ckpt.sharded_state(model, optimizer)
-    shards = ckpt.write_shards(
-        state, ckpt.staging_folder(out, step), group=None, asynchronous=writer.asynchronous
-    )
+    staged = ckpt.stage_shards(state, ckpt.staging_folder(out, step), asynchronous=writer.asynchronous)
+    shards = ckpt.write_shards(staged, group=None)
     path = writer.submit(
         out, step, shards=shards, drafter_config=config.to_serving_dict(), train_state={"step": step},
         config_yaml="", keep_last=1,

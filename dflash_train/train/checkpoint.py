@@ -10,13 +10,15 @@ Layout of ``<output_dir>/checkpoints/step-000123/``:
   config.yaml           the resolved recipe
   COMMITTED             written last; a folder without it is ignored (a crash mid-save)
 
-Commit protocol: the group's rank 0 creates ``.tmp-step-N``; barrier; every rank writes its shards
-(DCP fsyncs each file); DCP's coordinator writes ``.metadata`` only after it has gathered every
-rank's write result, so once the save returns (or its future resolves) on rank 0 every shard is
-durable. Only then does rank 0 write ``state.pt`` and the configs, fsync the tree, write the
-marker and rename the folder. A SIGKILL of any rank before that rename leaves a ``.tmp-*`` folder
-that is ignored. With ``checkpoint.async_write`` the shards are written by ``dcp.async_save`` from
-a staged CPU copy and the commit runs on a background thread; the next save and the exit wait.
+Commit protocol: the group's rank 0 creates ``.tmp-step-N``; barrier; every rank stages (its DCP
+writer and, asynchronous, the CPU copy) and the ranks vote on it, since DCP's write is a collective
+that would wait for a rank that failed before it; every rank writes its shards (DCP fsyncs each
+file); DCP's coordinator writes ``.metadata`` only after it has gathered every rank's write result,
+so once the save returns (or its future resolves) on rank 0 every shard is durable. Only then does
+rank 0 write ``state.pt`` and the configs, fsync the tree, write the marker and rename the folder. A
+SIGKILL of any rank before that rename leaves a ``.tmp-*`` folder that is ignored. With
+``checkpoint.async_write`` the shards are written by ``dcp.async_save`` from the staged CPU copy and
+the commit runs on a background thread; the next save and the exit wait.
 
 Older checkpoints (``drafter.safetensors`` with the full optimizer inside ``state.pt``, written by
 rank 0 alone) still resume and export; ``load_checkpoint`` tells the two apart. What a resume may
@@ -32,6 +34,7 @@ import re
 import shutil
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -165,12 +168,50 @@ def _storage_writer(path: Path):
     return FileSystemWriter(str(path), sync_files=True)
 
 
-def write_shards(state: dict[str, Any], staging: Path, *, group, asynchronous: bool) -> Future | None:
-    """Every rank: write this rank's part of ``state`` into ``staging/model_optim``.
+@dataclass
+class StagedShards:
+    """What one rank's DCP write reads: its writer of the staging folder, and the state, for an
+    asynchronous write a CPU copy that later training steps no longer change."""
+
+    writer: Any
+    state: dict[str, Any]
+    asynchronous: bool
+
+
+def stage_shards(state: dict[str, Any], staging: Path, *, asynchronous: bool) -> StagedShards:
+    """Every rank, before any rank starts the write: the writer of ``staging/model_optim`` and, for an
+    asynchronous write, the staged CPU copy (the only part of the write the training loop waits for).
+
+    No collective runs here. A rank that fails here (host memory, the staging folder) must be
+    outvoted before ``write_shards``: DCP's write is a collective over the checkpoint group, so the
+    ranks inside it would wait for the failed one until ``train.dist_timeout_s``.
+    """
+    writer = _storage_writer(staging / DCP_DIR_NAME)
+    # The writer's own staging, the copy ``dcp.async_save`` would make inside the write.
+    return StagedShards(writer, writer.stage(state) if asynchronous else state, asynchronous)
+
+
+class _AlreadyStaged:
+    """The stager of an ``async_save`` whose state ``stage_shards`` copied already: nothing to copy."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def write_shards(shards: StagedShards, *, group) -> Future | None:
+    """Every rank, once every rank staged: write this rank's part into ``staging/model_optim``.
 
     Synchronous: returns None once every rank's shards and the metadata are on disk. Asynchronous:
-    stages a CPU copy (the only part the training loop waits for) and returns the future of the
-    write, which resolves on the coordinator only after every rank has written.
+    returns the future of the background write, which resolves on the coordinator only after every
+    rank has written. A rank's error inside DCP's write reaches every rank (DCP gathers them).
     """
     import torch.distributed.checkpoint as dcp
 
@@ -178,10 +219,10 @@ def write_shards(state: dict[str, Any], staging: Path, *, group, asynchronous: b
         quiet_single_process_dcp()
     # No ``no_dist``: without a process group DCP runs on one process by itself, and not every torch
     # this runs on takes ``no_dist`` in ``async_save``.
-    kwargs = dict(storage_writer=_storage_writer(staging / DCP_DIR_NAME), process_group=group)
-    if asynchronous:
-        return dcp.async_save(state, **kwargs)
-    dcp.save(state, **kwargs)
+    kwargs = dict(storage_writer=shards.writer, process_group=group)
+    if shards.asynchronous:
+        return dcp.async_save(shards.state, async_stager=_AlreadyStaged(), **kwargs)
+    dcp.save(shards.state, **kwargs)
     return None
 
 

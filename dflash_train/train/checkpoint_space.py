@@ -82,23 +82,34 @@ def root_error(error: BaseException) -> BaseException:
     return error
 
 
-def describe_failure(output_dir: str | Path, step: int, error: BaseException | None, num_params: int) -> str:
-    """The one-line message of a failed save of ``step``: what failed where, bytes needed and free,
-    and the newest committed checkpoint that is intact. ``error`` None: another rank's write failed."""
+def failure_cause(output_dir: str | Path, step: int, error: BaseException, num_params: int) -> str:
+    """What failed where, in a few words, from the error of a rank whose part of the save of ``step``
+    failed (the cause a full disk hides behind is named as such)."""
+    cause = root_error(error)
+    where = getattr(cause, "filename", None) or ckpt.staging_folder(output_dir, step)
+    if isinstance(cause, OSError) and cause.errno in NO_SPACE:
+        return f"no space left on the device ({type(cause).__name__}) writing {where}"
+    reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+    what = f"{reason} ({type(cause).__name__}) writing {where}"
+    if free_bytes(output_dir) < expected_bytes(output_dir, num_params)[0]:
+        what += (
+            ", most likely because the disk is full"  # it can surface as another error (torch's zip writer)
+        )
+    return what
+
+
+def failed_ranks(error: BaseException, rank: int) -> list[int]:
+    """The ranks whose failure ``error`` reports: those of DCP's ``CheckpointException`` (which every
+    rank of the write raises alike), else ``rank``, the rank that raised it."""
+    failures = getattr(error, "failures", None)
+    return sorted(failures) if isinstance(failures, dict) and failures else [rank]
+
+
+def describe_failure(output_dir: str | Path, step: int, cause: str, num_params: int) -> str:
+    """The one-line message of a failed save of ``step``: what failed where (``cause``, from
+    ``failure_cause``), bytes needed and free, and the newest committed checkpoint that is intact."""
     needed, source = expected_bytes(output_dir, num_params)
     free = free_bytes(output_dir)
-    if error is None:
-        what = "another rank could not write its part (its own error says why)"
-    else:
-        cause = root_error(error)
-        where = getattr(cause, "filename", None) or ckpt.staging_folder(output_dir, step)
-        if isinstance(cause, OSError) and cause.errno in NO_SPACE:
-            what = f"no space left on the device ({type(cause).__name__}) writing {where}"
-        else:
-            reason = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
-            what = f"{reason} ({type(cause).__name__}) writing {where}"
-            if free < needed:  # a full disk can surface as another error (torch's zip writer)
-                what += ", most likely because the disk is full"
     last = ckpt.latest_checkpoint(output_dir)
     intact = (
         f"the newest committed checkpoint, step {int(last.name.removeprefix('step-'))} ({last}), is intact and "
@@ -107,7 +118,7 @@ def describe_failure(output_dir: str | Path, step: int, error: BaseException | N
         else "there is no committed checkpoint yet: a restart begins at step 0"
     )
     return (
-        f"checkpoint of step {step} not saved: {what}; it needs about {fmt_bytes(needed)} ({source}), "
+        f"checkpoint of step {step} not saved: {cause}; it needs about {fmt_bytes(needed)} ({source}), "
         f"{fmt_bytes(free)} free; {intact}. Training stopped: free space or point "
         "output_dir at a larger disk, then rerun."
     )

@@ -39,11 +39,10 @@ from dflash_train.train.run import (
     open_logger,
     record_run_info,
     run_result,
-    save,
     save_due,
-    settle_saves,
     total_steps,
 )
+from dflash_train.train.saves import save, settle_saves
 from dflash_train.train.sitting import Sitting, append_sitting, stop_message
 from dflash_train.train.step import (
     LogWindow,

@@ -6,8 +6,8 @@
 - ``Watchdog`` dumps every thread's stack when no step has started for ``timeout_s`` seconds, to
   find out where a hung collective or kernel is waiting. It only observes; it never kills.
 - ``any_rank_true`` / ``any_rank_flags``: the one way a control-flow decision is made (stop, skip,
-  save, non-finite loss), so no rank branches alone; ``any_rank_error``: the same for an error of
-  work some ranks do alone (rank 0 writing a file).
+  save, non-finite loss), so no rank branches alone; ``any_rank_error`` / ``first_rank_error``: the
+  same for an error of work some ranks do alone (rank 0 writing a file, a rank's evaluation).
 """
 
 from __future__ import annotations
@@ -159,15 +159,22 @@ def any_rank_error(error: BaseException | None, group=None) -> str | None:
     """Every rank of ``group`` (None: all ranks), after work that may have failed on some of them:
     the first failed rank's error as ``Type: message``, None when none failed (also a barrier).
 
-    For work only some ranks do (rank 0 writing a file): a rank that raised alone would leave the
-    others waiting in their next collective; with this, every rank raises together.
+    For work only some ranks do (rank 0 writing a file), or that each rank does alone: a rank that
+    raised alone would leave the others waiting in their next collective; with this, every rank
+    raises together.
     """
+    found = first_rank_error(error, group)
+    return None if found is None else found[1]
+
+
+def first_rank_error(error: BaseException | None, group=None) -> tuple[int, str] | None:
+    """``any_rank_error`` with the rank in ``group`` of the first failed rank: ``(rank, message)``."""
     message = None if error is None else f"{type(error).__name__}: {error}"
     if not (dist.is_available() and dist.is_initialized()):
-        return message
+        return None if message is None else (0, message)
     found: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(found, message, group=group)
-    return next((m for m in found if m is not None), None)
+    return next(((rank, m) for rank, m in enumerate(found) if m is not None), None)
 
 
 def any_rank_true(flag: bool, device: torch.device | str) -> bool:

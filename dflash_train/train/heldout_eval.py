@@ -19,9 +19,11 @@ Ranks. The prompts are sharded over the run's ranks (prompt i on rank i % world)
 evaluates its shard with a plain, uncompiled copy of the drafter in the training dtype (what the
 export holds): under DDP the copy is filled from the rank's own replica, under FSDP2 from the full
 state that every rank gathers together. Nothing inside the evaluation is a collective, so ranks with
-more or fewer prompts cannot mismatch; the per-prompt results are then all-gathered, every rank
-computes the same metrics and the same best-so-far decision, rank 0 writes ``export-best`` and all
-ranks meet to learn whether it was written (a failure stops every rank with rank 0's error).
+more or fewer prompts cannot mismatch; all ranks then meet to learn whether every rank's evaluation
+(and, at the start, its continuations) succeeded: a failure on one (out of memory) stops every rank
+with that rank's error. The per-prompt results are then all-gathered, every rank computes the same
+metrics and the same best-so-far decision, rank 0 writes ``export-best`` and all ranks meet to
+learn whether it was written (a failure stops every rank with rank 0's error).
 
 The training run is left as it was: the copy is built inside a forked RNG (CPU, CUDA and Python
 ``random``), so the losses after an evaluation are those of a run without it and resume stays
@@ -47,7 +49,7 @@ from dflash_train.eval.diagnosis import BlockStats, summarize_diagnosis
 from dflash_train.eval.speculative import Generation
 from dflash_train.eval.summary import summarize_rounds
 from dflash_train.models.serving import LOOKUP_MAX_DRAFT
-from dflash_train.train.faults import any_rank_error
+from dflash_train.train.faults import any_rank_error, first_rank_error
 from dflash_train.train.logging import log_main
 from dflash_train.train.parallel import unwrap, uses_fsdp
 
@@ -104,11 +106,16 @@ def build_heldout_eval(run) -> HeldoutEval | None:
     pad = pad_token_for(tokenizer, eos)
     prompts = [every[i][1] for i in mine]
     batch_size = cfg.batch_size or (32 if run.info.device.type == "cuda" else 8)
+    continuations, error = [], None
     with untouched_training_state(run.info.device):
-        continuations = greedy_continuations(
-            target.model, prompts, max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos, pad_token_id=pad,
-            batch_size=batch_size,
-        )  # fmt: skip
+        try:
+            continuations = greedy_continuations(
+                target.model, prompts, max_new_tokens=cfg.max_new_tokens, eos_token_ids=eos,
+                pad_token_id=pad, batch_size=batch_size,
+            )  # fmt: skip
+        except Exception as err:  # recovery boundary: every rank learns of it just below
+            error = err
+    share_local_outcome(run, error, "generating the held-out continuations")
     heldout = HeldoutEval(
         names=[Path(p).stem for p in cfg.prompts],
         indices=mine,
@@ -151,14 +158,20 @@ def evaluate(run, heldout: HeldoutEval) -> dict[str, Any]:
     cfg = run.cfg.eval
     block_size = run.draft_config.num_verify_tokens  # the round: the last token and the drafts
     methods = ("dflash", "ngram+dflash") if cfg.ngram else ("dflash",)
+    drafter, result, error = None, None, None
     with untouched_training_state(run.info.device):
-        drafter = drafter_copy(run)
-        result = exact_measure(
-            run.target, drafter, heldout.prompts, heldout.continuations,
-            max_new_tokens=cfg.max_new_tokens, eos_token_ids=heldout.eos_token_ids, methods=methods,
-            ngram_n=cfg.ngram_n, ngram_min_match=cfg.ngram_n, ngram_max_draft=LOOKUP_MAX_DRAFT,
-            drafter_batch_tokens=cfg.drafter_batch_tokens, pad_token_id=heldout.pad_token_id,
-        )  # fmt: skip
+        try:
+            # FSDP2: the copy's gather (a collective) comes first; what one rank can fail alone follows.
+            drafter = drafter_copy(run)
+            result = exact_measure(
+                run.target, drafter, heldout.prompts, heldout.continuations,
+                max_new_tokens=cfg.max_new_tokens, eos_token_ids=heldout.eos_token_ids, methods=methods,
+                ngram_n=cfg.ngram_n, ngram_min_match=cfg.ngram_n, ngram_max_draft=LOOKUP_MAX_DRAFT,
+                drafter_batch_tokens=cfg.drafter_batch_tokens, pad_token_id=heldout.pad_token_id,
+            )  # fmt: skip
+        except Exception as err:  # recovery boundary: every rank learns of it just below
+            error = err
+    share_local_outcome(run, error, f"the held-out evaluation of step {run.step}")  # before the gather
     local = list(zip(*(result.generations[m] for m in methods), result.diagnoses, strict=True))
     ordered, file_of = gather_generations(run, heldout, local)
     metrics, overall = acceptance_metrics(
@@ -201,6 +214,21 @@ def share_export_best_outcome(run, error: BaseException | None) -> None:
         raise RuntimeError(
             f"eval: writing export-best of step {run.step} failed on rank 0: {message}; free space in "
             f"{run.cfg.output_dir} (or fix what the error names) and run the same command again to resume"
+        ) from error
+
+
+def share_local_outcome(run, error: BaseException | None, what: str) -> None:
+    """Every rank of the run's group, after the held-out work each rank does alone on its prompts
+    (``what``; ``error``: this rank's, None if it succeeded): a failure on any rank raises the same
+    one-line ``RuntimeError`` naming the first failed rank on every rank, so no rank waits in the
+    gather of results (or the next step's collective) for a rank that raised alone."""
+    found = first_rank_error(error, group=run.group)
+    if found is not None:
+        rank, message = found
+        raise RuntimeError(
+            f"eval: {what} failed on rank {rank}: {message}; if it ran out of memory, lower eval.batch_size "
+            "(the continuations) or eval.drafter_batch_tokens (the evaluation), otherwise fix what the "
+            "error names; then run the same command again to resume"
         ) from error
 
 

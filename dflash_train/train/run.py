@@ -1,5 +1,5 @@
 """What a training run holds and what it leaves on disk: ``Run``, the run folder's metadata, and the
-save / resume / export of a run, shared by colocated and split placement.
+resume / export of a run, shared by colocated and split placement (its saves: ``saves.py``).
 
 A ``Run`` trains the drafter over a process group: every rank of the job (colocated, ``group`` None)
 or the drafter ranks only (split placement). Reductions, checkpoint gathers and barriers go over
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import random
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +25,6 @@ from torch import nn
 
 from dflash_train.config import RunConfig
 from dflash_train.train import checkpoint as ckpt
-from dflash_train.train import checkpoint_space as space
 from dflash_train.train import resume_check
 from dflash_train.train.builders import build_scheduler
 from dflash_train.train.faults import any_rank_error, any_rank_flags
@@ -240,58 +238,6 @@ def checkpoint_group(run: Run) -> Any:
     return run.writer.group
 
 
-def save(run: Run, **extra: Any) -> Path:
-    """Every rank writes its shards of the drafter and optimizer (DCP); the group's rank 0 commits.
-
-    With ``checkpoint.async_write`` the loop waits only for the staging copy; the previous save is
-    committed before a new one starts. ``extra`` joins the train state (read on rank 0 only). A save
-    that fails on any rank raises ``CheckpointWriteError`` on every rank (``checkpoint_space.py``):
-    each phase ends with a vote, so no rank is left waiting at a barrier the others never reach.
-    """
-    settle_saves(run)
-    warn_if_no_space(run)
-    error = None
-    if run.info.is_main:
-        error = attempt(lambda: ckpt.clear_staging(run.cfg.output_dir, run.step))
-    raise_if_failed(run, error, run.step)  # also the barrier: the staging folder exists for every rank
-    path = ckpt.step_folder(run.cfg.output_dir, run.step)
-    error = attempt(lambda: write_and_commit(run, extra))
-    run.writer.pending_step = run.step
-    raise_if_failed(run, error, run.step)  # also the barrier: no rank runs ahead of a synchronous commit
-    return path
-
-
-def write_and_commit(run: Run, extra: dict[str, Any]) -> None:
-    """This rank's shards; then rank 0's commit (inline, or started on the writer's thread)."""
-    state = ckpt.sharded_state(run.model, run.optimizer)
-    if run.writer.asynchronous and run.info.device.type == "cpu":
-        # On CPU the state aliases the live tensors; the background write needs its own copy.
-        state = ckpt.snapshot(state)
-    staging = ckpt.staging_folder(run.cfg.output_dir, run.step)
-    shards = ckpt.write_shards(
-        state, staging, group=checkpoint_group(run), asynchronous=run.writer.asynchronous
-    )
-    if run.info.is_main:
-        run.writer.submit(
-            run.cfg.output_dir,
-            run.step,
-            shards=shards,
-            drafter_config=run.draft_config.to_serving_dict(),
-            train_state=train_state_dict(run, **extra),
-            config_yaml=run.cfg.to_yaml(),
-            keep_last=run.cfg.checkpoint.keep_last,
-        )
-    else:
-        run.writer.hold(shards)
-
-
-def settle_saves(run: Run) -> None:
-    """Wait for the save in flight; every rank raises together if it failed on any. Called before
-    each save and once the loop is done (every rank gets there together)."""
-    raise_if_failed(run, attempt(run.writer.wait), run.writer.pending_step)
-    run.writer.pending_step = None
-
-
 def attempt(write: Callable[[], Any]) -> BaseException | None:
     """Run a part of a save; its error, if any, is returned for the vote instead of raised here.
 
@@ -306,30 +252,6 @@ def attempt(write: Callable[[], Any]) -> BaseException | None:
     except (Exception, CheckpointException) as err:  # see the docstring
         return err
     return None
-
-
-def raise_if_failed(run: Run, error: BaseException | None, step: int | None) -> None:
-    """The vote after a phase of a save: if it failed on any rank, rank 0 removes the step's staging
-    folder and every rank raises the one-line ``CheckpointWriteError``; without a failure, a barrier."""
-    if not any_rank_flags([error is not None], run.info.device, group=run.group)[0]:
-        return
-    num_params = sum(p.numel() for p in unwrap(run.model).parameters())
-    message = space.describe_failure(run.cfg.output_dir, step, error, num_params)
-    if run.info.is_main:
-        space.remove_staging(run.cfg.output_dir, step)
-    run.writer.pending_step = None
-    raise space.CheckpointWriteError(message) from error
-
-
-def warn_if_no_space(run: Run) -> None:
-    """Rank 0, once per run: warn when the checkpoint about to be written would not fit."""
-    if not run.info.is_main or run.writer.warned_space:
-        return
-    num_params = sum(p.numel() for p in unwrap(run.model).parameters())
-    warning = space.space_warning(run.cfg.output_dir, run.step, num_params)
-    if warning is not None:
-        run.writer.warned_space = True
-        warnings.warn(warning, stacklevel=2)
 
 
 def maybe_resume(run: Run) -> None:

@@ -4,7 +4,7 @@ One torchrun job, one process per GPU, no threads doing device work. The first T
 (``train.target_ranks``) run only the frozen target; the other D ranks train the drafter exactly
 as colocated training with world size D would: same data shards, same anchors, same loss
 normalisation, the same step functions (``train/step.py``) and the same save / resume / export
-(``train/run.py``), so the same per-step losses (bit-exact on CPU) and the same checkpoints. What
+(``train/saves.py``, ``train/run.py``), so the same per-step losses (bit-exact on CPU) and the same checkpoints. What
 crosses between the two roles (layout, batches, features, back-pressure, reports) is
 ``train/split_stream.py``; this module holds what each role does.
 

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from dflash_train.train import checkpoint_space as space
-from dflash_train.train.run import Run, save, settle_saves
+from dflash_train.train.run import Run
+from dflash_train.train.saves import save, settle_saves
 from dflash_train.train.split_stream import (
     SplitLayout,
     position_mismatch,
@@ -18,7 +19,7 @@ from dflash_train.train.split_stream import (
 
 
 def save_with_targets(run: Run, layout: SplitLayout, reports) -> Path:
-    """Drafter ranks: ``run.save``, whose outcome the target ranks learn (``share_save_outcome``),
+    """Drafter ranks: ``saves.save``, whose outcome the target ranks learn (``share_save_outcome``),
     once every rank agreed that the data positions match (``share_position_check``)."""
     mismatch = position_mismatch(run.step, run.data.state_dict(), reports) if run.info.is_main else None
     share_position_check(layout, run.info.device, mismatch)

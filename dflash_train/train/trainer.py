@@ -3,8 +3,8 @@
 Follow one ``cfg`` from ``dflash-train train`` to the optimizer step: ``config.load_config`` ->
 ``train`` here -> ``train/colocated.py`` (every rank runs target and drafter; the default) or
 ``train/split.py`` (target ranks stream features to drafter ranks) -> ``train/builders.py``
-(target, drafter, optimizer, schedule, data) and ``train/run.py`` (the ``Run``, resume, save,
-export) -> ``train/step.py`` (micro-batch, target features, drafter forward/backward, the
+(target, drafter, optimizer, schedule, data), ``train/run.py`` (the ``Run``, resume, export) and
+``train/saves.py`` (a checkpoint save) -> ``train/step.py`` (micro-batch, target features, drafter forward/backward, the
 optimizer update with its collective vote, the metrics row).
 """
 
