@@ -73,12 +73,16 @@ def one_per_setting(calls) -> list[int]:
     return [len({(c[3].temperature, c[3].top_p) for c in calls[: i + 1]}) for i in range(len(calls))]
 
 
-@pytest.mark.parametrize("backend, calls", [("eager", CALLS), ("inductor", SHORT_CALLS)])
-def test_the_compiled_step_compiles_once_per_sampling_setting(monkeypatch, backend, calls):
+@pytest.mark.parametrize(
+    "backend, calls, attention",
+    [("eager", CALLS, "grouped"), ("inductor", SHORT_CALLS, "grouped"), ("eager", CALLS, "flex")],
+)
+def test_the_compiled_step_compiles_once_per_sampling_setting(monkeypatch, backend, calls, attention):
+    """Also with flex inside the step: its BlockMask built in the graph from the live positions."""
     monkeypatch.setattr(compiled_step, "COMPILE_BACKEND", backend)
     torch._dynamo.reset()  # no compiled entry of an earlier test serves these calls
     model = sharpen(build_tiny_target("qwen3", vocab_size=64, seed=1))
-    compiled = SlotEngine(model, num_slots=3, kv_bucket=8, compile_decode=True)
+    compiled = SlotEngine(model, num_slots=3, kv_bucket=8, compile_decode=True, decode_attention=attention)
     eager = SlotEngine(model, num_slots=3, kv_bucket=8, compile_decode=False)
     # a count that grows with the calls (a bucket, a limit or a growth compiling again) fails here
     assert compiles_over(calls, compiled, eager) == one_per_setting(calls)
@@ -86,12 +90,15 @@ def test_the_compiled_step_compiles_once_per_sampling_setting(monkeypatch, backe
 
 
 @pytest.mark.gpu
-def test_the_graphed_compiled_step_compiles_once_per_sampling_setting_on_cuda():
+@pytest.mark.parametrize("attention", ["grouped", "flex"])
+def test_the_graphed_compiled_step_compiles_once_per_sampling_setting_on_cuda(attention):
     """The same calls on CUDA, inductor inside the engine's CUDA graphs (warm-ups and captures), fp32
     against the eager step without graphs."""
     torch._dynamo.reset()
     model = sharpen(build_tiny_target("qwen3", vocab_size=64, seed=1)).cuda()
-    compiled = SlotEngine(model, num_slots=3, kv_bucket=8, compile_decode=True, use_cuda_graphs=True)
+    compiled = SlotEngine(
+        model, num_slots=3, kv_bucket=8, compile_decode=True, use_cuda_graphs=True, decode_attention=attention
+    )
     eager = SlotEngine(model, num_slots=3, kv_bucket=8, compile_decode=False, use_cuda_graphs=False)
     assert compiles_over(CALLS, compiled, eager) == one_per_setting(CALLS)
     assert compiled.graphs.num_captures > len(one_per_setting(CALLS))

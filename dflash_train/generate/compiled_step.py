@@ -54,7 +54,8 @@ def default_compile_decode(model: torch.nn.Module, device: torch.device, decode_
     H200 at SmolLM2-135M's shape it cut the graphed step at 1,024 slots from 9.6 to 5.6 ms (1,536 ->
     520 kernels; docs/performance.md), compilation excluded. Hybrid (GatedDeltaNet) targets keep the
     eager step until the compiled one is measured on them (``compile_decode=True`` asks for it); on a
-    CPU it is slower."""
+    CPU it is slower. ``flex`` compiles too when asked (its attention becomes part of the step's
+    graph), not by default until measured against grouped."""
     layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
     hybrid = "linear_attention" in layer_types
     return device.type == "cuda" and decode_attention == "grouped" and not hybrid

@@ -136,11 +136,6 @@ class SlotEngine:
             )
         if compile_decode is None:
             compile_decode = default_compile_decode(model, self.device, self.decode_attention)
-        if compile_decode and self.decode_attention == "flex":
-            raise ValueError(
-                "compile_decode compiles the step around the grouped decode attention; flex compiles its "
-                "own kernel: use decode_attention='grouped' or compile_decode=False"
-            )
         self.compile_decode = compile_decode
         self.step_body = CompiledStep(self.forward_and_draw) if compile_decode else self.forward_and_draw
         layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
