@@ -409,9 +409,10 @@ def test_a_failed_export_best_stops_every_rank_with_its_error(task, prompt_files
 
 def eval_fails_worker(rank: int, port: int, task: dict, out_dir: str, prompts: list, where: str) -> None:
     """Rank 1 alone fails inside the held-out work it does by itself: generating its prompts'
-    continuations at the start (``setup``) or evaluating them at step 3 (``eval``)."""
+    continuations at the start (``setup``), the n-gram baseline of them after that (``ngram``) or
+    evaluating them at step 3 (``eval``)."""
     become_rank(rank, 2, port)
-    from dflash_train.eval import exact, generate
+    from dflash_train.eval import exact, generate, simulate
 
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("out of memory (injected)")
@@ -420,12 +421,15 @@ def eval_fails_worker(rank: int, port: int, task: dict, out_dir: str, prompts: l
         generate.greedy_continuations = out_of_memory
     if rank == 1 and where == "eval":
         exact.exact_measure = out_of_memory
+    if rank == 1 and where == "ngram":
+        simulate.simulate_ngram = out_of_memory
     # A rank left waiting in the evaluation's gather fails after 20 s, not the default 30 min.
     extra = ["train.parallel=ddp", "train.max_steps=4", "train.dist_timeout_s=20"]
+    extra += ["eval.ngram=true"] if where == "ngram" else []
     train_and_record(rank, task, out_dir, *extra, *eval_overrides(prompts, every_steps=3))
 
 
-@pytest.mark.parametrize("where", ["setup", "eval"])
+@pytest.mark.parametrize("where", ["setup", "ngram", "eval"])
 def test_a_held_out_evaluation_that_fails_on_one_rank_stops_every_rank_with_its_error(
     task, prompt_files, tmp_path, where
 ):
@@ -441,9 +445,11 @@ def test_a_held_out_evaluation_that_fails_on_one_rank_stops_every_rank_with_its_
     )
     outcomes = rank_outcomes(out)
     assert outcomes[0] == outcomes[1], outcomes
-    what = (
-        "generating the held-out continuations" if where == "setup" else "the held-out evaluation of step 3"
-    )
+    what = {
+        "setup": "generating the held-out continuations",
+        "ngram": "the n-gram baseline of the held-out prompts",
+        "eval": "the held-out evaluation of step 3",
+    }[where]
     assert outcomes[0].startswith(
         f"RuntimeError: eval: {what} failed on rank 1: RuntimeError: out of memory (injected); "
     ), outcomes[0]

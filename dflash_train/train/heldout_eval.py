@@ -360,21 +360,27 @@ def diagnosis_metrics(
 
 
 def ngram_metrics(run, heldout: HeldoutEval) -> dict[str, Any]:
-    """``eval_ngram_tau`` (and per file) of prompt-lookup drafting: a host simulation, no drafter."""
-    from dflash_train.eval.simulate import simulate_ngram
+    """``eval_ngram_tau`` (and per file) of prompt-lookup drafting: a host simulation, no drafter.
+    Each rank simulates its own prompts; a failure on one stops every rank before the gather."""
+    from dflash_train.eval import simulate
 
     cfg, block_size = run.cfg.eval, run.draft_config.num_verify_tokens
-    local = [
-        simulate_ngram(
-            prompt,
-            continuation,
-            n=cfg.ngram_n,
-            block_size=block_size,
-            max_new_tokens=cfg.max_new_tokens,
-            eos_token_ids=heldout.eos_token_ids,
-        )  # fmt: skip
-        for prompt, continuation in zip(heldout.prompts, heldout.continuations, strict=True)
-    ]
+    local, error = [], None
+    try:
+        local = [
+            simulate.simulate_ngram(
+                prompt,
+                continuation,
+                n=cfg.ngram_n,
+                block_size=block_size,
+                max_new_tokens=cfg.max_new_tokens,
+                eos_token_ids=heldout.eos_token_ids,
+            )
+            for prompt, continuation in zip(heldout.prompts, heldout.continuations, strict=True)
+        ]
+    except Exception as err:  # recovery boundary: every rank learns of it just below
+        error = err
+    share_local_outcome(run, error, "the n-gram baseline of the held-out prompts")  # before the gather
     ordered, file_of = gather_generations(run, heldout, local)
     metrics, _ = acceptance_metrics("eval_ngram_tau", ordered, file_of, heldout.names, block_size)
     return metrics
