@@ -207,3 +207,27 @@ def test_a_save_that_fails_on_one_rank_before_the_write_stops_both_with_its_erro
     cause = "out of host memory" if async_write == "true" else "Permission denied"
     assert cause in outcomes[0] and re.search(MESSAGE, outcomes[0]), outcomes[0]
     assert_failed_cleanly(out)
+
+
+def test_an_error_while_a_save_is_in_flight_is_not_replaced_by_that_saves_failure(
+    task, tmp_path, monkeypatch, capsys
+):
+    """A non-finite loss stops the run at step 5 while the background commit of step 4 fails (a full
+    disk): the run raises the error that stopped it, not the commit's raw OSError that the exit's wait
+    for the save in flight used to raise in its place; the failed save is logged in one line."""
+    from dflash_train.train.trainer import NonFiniteError, TrainHooks
+
+    def full_disk(output_dir, step, **state):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "save_checkpoint", full_disk)
+
+    def nan_at_step_5(run):
+        if run.step == 4:
+            next(run.model.parameters()).grad.fill_(float("nan"))
+
+    cfg = tiny_config(task, tmp_path / "run", "checkpoint.async_write=true")
+    with pytest.raises(NonFiniteError, match="non-finite loss"):
+        train(cfg, TrainHooks(after_backward=nan_at_step_5))
+    assert "the save of step 4 in flight failed too: OSError: " in capsys.readouterr().out
+    assert ckpt.latest_checkpoint(tmp_path / "run") is None

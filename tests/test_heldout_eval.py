@@ -409,9 +409,10 @@ def test_a_failed_export_best_stops_every_rank_with_its_error(task, prompt_files
 
 def eval_fails_worker(rank: int, port: int, task: dict, out_dir: str, prompts: list, where: str) -> None:
     """Rank 1 alone fails inside the held-out work it does by itself: generating its prompts'
-    continuations at the start (``setup``) or evaluating them at step 3 (``eval``)."""
+    continuations at the start (``setup``), the n-gram baseline of them after that (``ngram``) or
+    evaluating them at step 3 (``eval``)."""
     become_rank(rank, 2, port)
-    from dflash_train.eval import exact, generate
+    from dflash_train.eval import exact, generate, simulate
 
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("out of memory (injected)")
@@ -420,12 +421,15 @@ def eval_fails_worker(rank: int, port: int, task: dict, out_dir: str, prompts: l
         generate.greedy_continuations = out_of_memory
     if rank == 1 and where == "eval":
         exact.exact_measure = out_of_memory
+    if rank == 1 and where == "ngram":
+        simulate.simulate_ngram = out_of_memory
     # A rank left waiting in the evaluation's gather fails after 20 s, not the default 30 min.
     extra = ["train.parallel=ddp", "train.max_steps=4", "train.dist_timeout_s=20"]
+    extra += ["eval.ngram=true"] if where == "ngram" else []
     train_and_record(rank, task, out_dir, *extra, *eval_overrides(prompts, every_steps=3))
 
 
-@pytest.mark.parametrize("where", ["setup", "eval"])
+@pytest.mark.parametrize("where", ["setup", "ngram", "eval"])
 def test_a_held_out_evaluation_that_fails_on_one_rank_stops_every_rank_with_its_error(
     task, prompt_files, tmp_path, where
 ):
@@ -441,9 +445,53 @@ def test_a_held_out_evaluation_that_fails_on_one_rank_stops_every_rank_with_its_
     )
     outcomes = rank_outcomes(out)
     assert outcomes[0] == outcomes[1], outcomes
-    what = (
-        "generating the held-out continuations" if where == "setup" else "the held-out evaluation of step 3"
-    )
+    what = {
+        "setup": "generating the held-out continuations",
+        "ngram": "the n-gram baseline of the held-out prompts",
+        "eval": "the held-out evaluation of step 3",
+    }[where]
     assert outcomes[0].startswith(
         f"RuntimeError: eval: {what} failed on rank 1: RuntimeError: out of memory (injected); "
     ), outcomes[0]
+
+
+def gather_fails_worker(rank: int, port: int, task: dict, out_dir: str, prompts: list) -> None:
+    """FSDP2: rank 1 fails inside the gather of the drafter's full state for the step-3 evaluation (out
+    of memory for the full weights), a collective the other rank is still in."""
+    become_rank(rank, 2, port)
+    from torch.distributed.checkpoint import state_dict
+
+    if rank == 1:
+
+        def out_of_memory(*args, **kwargs):
+            raise RuntimeError("out of memory (injected)")
+
+        state_dict.get_model_state_dict = out_of_memory
+    extra = ["train.parallel=fsdp", "train.max_steps=4", "train.dist_timeout_s=20"]
+    train_and_record(rank, task, out_dir, *extra, *eval_overrides(prompts, every_steps=3))
+
+
+def test_a_gather_for_the_evaluation_that_fails_on_one_rank_stops_that_rank_with_its_error(
+    task, prompt_files, tmp_path
+):
+    """A rank whose part of a collective failed cannot meet the others in another one (they are still
+    in the first: the two would be paired, on NCCL a hang until train.dist_timeout_s): it stops at
+    once with its own error, and the other rank fails as soon as it finds it gone."""
+    import time
+
+    from tests.test_train_distributed import free_port
+
+    out = tmp_path / "run"
+    out.mkdir()
+    started = time.monotonic()
+    spawn_ranks(gather_fails_worker, (free_port(), task, str(out), prompt_files), nprocs=2, timeout_s=120)
+    outcomes = rank_outcomes(out)
+    assert outcomes[1].startswith(
+        "RuntimeError: eval: gathering the drafter's full state for the held-out evaluation of step 3 "
+        "failed on rank 1: RuntimeError: out of memory (injected); "
+    ), outcomes
+    assert outcomes[0].startswith(
+        "RuntimeError: eval: gathering the drafter's full state for the held-out evaluation of step 3 "
+        "failed on rank 0: "
+    ), outcomes
+    assert time.monotonic() - started < 20, "a rank waited for the other until train.dist_timeout_s"

@@ -175,3 +175,38 @@ def test_a_finished_run_leaves_the_process_group_before_the_process_exits(task, 
     spawn_ranks(cli_worker, (free_port(), task, str(tmp_path / "run"), str(results)), nprocs=2)
     outcomes = [json.loads((results / f"rank{r}.json").read_text()) for r in range(2)]
     assert outcomes == [{"step": 12, "group_left": True}] * 2
+
+
+def stale_listing_worker(rank: int, port: int, task: dict, out_dir: str, seen: str) -> None:
+    """Two sittings of a 2-rank run; in the second, rank 1's view of output_dir is not rank 0's: it
+    lists only the older checkpoint (``older``: a stale listing of a shared file system) or none
+    (``none``: output_dir on a disk of its own node)."""
+    become_rank(rank, 2, port)
+    extra = ["train.parallel=ddp", "train.max_steps=8", "checkpoint.every_steps=2", "train.dist_timeout_s=20"]
+    train_and_record(rank, task, out_dir, *extra, "train.steps_per_process=4")
+    from dflash_train.train import checkpoint as ckpt
+
+    if rank == 1:
+        committed = ckpt.committed_checkpoints(out_dir)
+        ckpt.latest_checkpoint = lambda output_dir: committed[-2] if seen == "older" else None
+    train_and_record(rank, task, out_dir, *extra)
+
+
+@pytest.mark.parametrize("seen", ["older", "none"])
+def test_ranks_that_see_different_checkpoints_to_resume_stop_before_training(task, tmp_path, seen):
+    """``checkpoint.resume: auto`` picks the newest checkpoint of output_dir: a rank that lists another
+    one (or none) would resume other weights, step and data position than rank 0, and the ranks would
+    train apart until one waited for the others at the run's end. Every rank refuses with one line."""
+    out = tmp_path / "run"
+    out.mkdir()
+    spawn_ranks(stale_listing_worker, (free_port(), task, str(out), seen), nprocs=2, timeout_s=150)
+    outcomes = rank_outcomes(out)
+    assert outcomes[0] == outcomes[1], outcomes
+    step = "checkpoints/step-00000002" if seen == "older" else "no checkpoint"
+    assert outcomes[0].startswith(
+        f"ValueError: checkpoint.resume=auto: the ranks see different checkpoints in {out}: rank 0 "
+        f"{out}/checkpoints/step-00000004, rank 1 " + (f"{out}/{step}" if seen == "older" else step)
+    ), outcomes
+    # Nothing trained on: no checkpoint beyond the first sitting's, no metrics row of a later step.
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
+    assert max(logged_losses(out)) == 4

@@ -42,7 +42,7 @@ from dflash_train.train.run import (
     save_due,
     total_steps,
 )
-from dflash_train.train.saves import save, settle_saves
+from dflash_train.train.saves import close_after_failure, save, settle_saves
 from dflash_train.train.sitting import Sitting, append_sitting, stop_message
 from dflash_train.train.step import (
     LogWindow,
@@ -70,8 +70,10 @@ def train_colocated(cfg: RunConfig, hooks: TrainHooks) -> dict[str, Any]:
     with GracefulStop() as late:
         try:
             last_loss, saved = train_loop(run, hooks, logger, sitting)
-        finally:
-            run.writer.close()  # the last checkpoint is committed before the export and the exit
+        except BaseException:
+            close_after_failure(run)  # the loop's error stays the one raised
+            raise
+        run.writer.close()  # the last checkpoint is committed before the export and the exit
         export_started = clock()
         export = export_final(run) if run.finished else None
     report_deferred_stop(late)

@@ -18,8 +18,10 @@ the same weights, so no evaluation of the run is lost.
 Ranks. The prompts are sharded over the run's ranks (prompt i on rank i % world). Each rank
 evaluates its shard with a plain, uncompiled copy of the drafter in the training dtype (what the
 export holds): under DDP the copy is filled from the rank's own replica, under FSDP2 from the full
-state that every rank gathers together. Nothing inside the evaluation is a collective, so ranks with
-more or fewer prompts cannot mismatch; all ranks then meet to learn whether every rank's evaluation
+state that every rank gathers together (a rank that fails inside that gather stops at once with its
+own error: it cannot vote while the others are still in the gather). Nothing in the evaluation after
+it is a collective, so ranks with more or fewer prompts cannot mismatch; all ranks then meet to
+learn whether every rank's evaluation
 (and, at the start, its continuations) succeeded: a failure on one (out of memory) stops every rank
 with that rank's error. The per-prompt results are then all-gathered, every rank computes the same
 metrics and the same best-so-far decision, rank 0 writes ``export-best`` and all ranks meet to
@@ -160,9 +162,10 @@ def evaluate(run, heldout: HeldoutEval) -> dict[str, Any]:
     methods = ("dflash", "ngram+dflash") if cfg.ngram else ("dflash",)
     drafter, result, error = None, None, None
     with untouched_training_state(run.info.device):
+        state = drafter_state(run)  # FSDP2: a collective, outside the recovery boundary below
         try:
-            # FSDP2: the copy's gather (a collective) comes first; what one rank can fail alone follows.
-            drafter = drafter_copy(run)
+            drafter = drafter_copy(run, state)
+            del state
             result = exact_measure(
                 run.target, drafter, heldout.prompts, heldout.continuations,
                 max_new_tokens=cfg.max_new_tokens, eos_token_ids=heldout.eos_token_ids, methods=methods,
@@ -252,19 +255,41 @@ def untouched_training_state(device: torch.device):
             random.setstate(python_state)
 
 
-def drafter_copy(run) -> torch.nn.Module:
-    """A plain drafter in eval mode and the training dtype holding the current weights (FSDP2: the
-    full state gathered by every rank together; otherwise this rank's own replica)."""
+def drafter_state(run) -> dict[str, torch.Tensor]:
+    """The drafter's current weights for the evaluation's copy: under FSDP2 the full state, gathered by
+    every rank together (a collective); otherwise this rank's own replica.
+
+    A rank that fails inside the gather (out of memory for the full weights) raises at once, naming
+    itself: the other ranks are still inside the gather, so any other collective it entered (the
+    evaluation's outcome vote) would be paired with theirs (gloo aborts the process on the mismatch;
+    NCCL waits until ``train.dist_timeout_s``). They stop when they find it gone.
+    """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    if not uses_fsdp(run.model):
+        return unwrap(run.model).state_dict()
+    options = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    try:
+        return get_model_state_dict(run.model, options=options)
+    except Exception as err:  # no vote possible here (see the docstring): this rank's one line
+        raise RuntimeError(
+            f"eval: gathering the drafter's full state for the held-out evaluation of step {run.step} failed "
+            f"on rank {group_rank_and_size(run)[0]}: {type(err).__name__}: {err}; the other ranks stop when they "
+            "find this one gone (such a rank names its peer's exit: the cause is the rank that names another). "
+            "If it ran out of memory, the full drafter did not fit beside training: lower "
+            "data.token_budget (or train without eval.prompts); otherwise fix what the error names; then run "
+            "the same command again to resume"
+        ) from err
+
+
+def drafter_copy(run, state: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
+    """A plain drafter in eval mode and the training dtype holding the current weights: ``state``, or
+    ``drafter_state(run)`` (a collective under FSDP2: every rank must call)."""
     from dflash_train.models.drafter import DFlashDrafter
     from dflash_train.models.dtypes import DTYPES
 
-    if uses_fsdp(run.model):
-        options = StateDictOptions(full_state_dict=True, cpu_offload=False)
-        state = get_model_state_dict(run.model, options=options)  # a collective: every rank is here
-    else:
-        state = unwrap(run.model).state_dict()
+    if state is None:
+        state = drafter_state(run)
     with torch.device(run.info.device):
         drafter = DFlashDrafter(run.draft_config)
     drafter.to(DTYPES[run.cfg.train.dtype]).load_state_dict(state)
@@ -335,21 +360,27 @@ def diagnosis_metrics(
 
 
 def ngram_metrics(run, heldout: HeldoutEval) -> dict[str, Any]:
-    """``eval_ngram_tau`` (and per file) of prompt-lookup drafting: a host simulation, no drafter."""
-    from dflash_train.eval.simulate import simulate_ngram
+    """``eval_ngram_tau`` (and per file) of prompt-lookup drafting: a host simulation, no drafter.
+    Each rank simulates its own prompts; a failure on one stops every rank before the gather."""
+    from dflash_train.eval import simulate
 
     cfg, block_size = run.cfg.eval, run.draft_config.num_verify_tokens
-    local = [
-        simulate_ngram(
-            prompt,
-            continuation,
-            n=cfg.ngram_n,
-            block_size=block_size,
-            max_new_tokens=cfg.max_new_tokens,
-            eos_token_ids=heldout.eos_token_ids,
-        )  # fmt: skip
-        for prompt, continuation in zip(heldout.prompts, heldout.continuations, strict=True)
-    ]
+    local, error = [], None
+    try:
+        local = [
+            simulate.simulate_ngram(
+                prompt,
+                continuation,
+                n=cfg.ngram_n,
+                block_size=block_size,
+                max_new_tokens=cfg.max_new_tokens,
+                eos_token_ids=heldout.eos_token_ids,
+            )
+            for prompt, continuation in zip(heldout.prompts, heldout.continuations, strict=True)
+        ]
+    except Exception as err:  # recovery boundary: every rank learns of it just below
+        error = err
+    share_local_outcome(run, error, "the n-gram baseline of the held-out prompts")  # before the gather
     ordered, file_of = gather_generations(run, heldout, local)
     metrics, _ = acceptance_metrics("eval_ngram_tau", ordered, file_of, heldout.names, block_size)
     return metrics

@@ -267,6 +267,8 @@ def maybe_resume(run: Run) -> None:
         # Left in place, an earlier run's later steps would outrank this run's: keep_last would prune
         # each new checkpoint as it commits, and a later ``resume: auto`` would continue the old run.
         set_aside_abandoned(run, None, 0)
+    if mode == "auto":
+        check_same_checkpoint(run, path)
     if path is None:
         return
     loaded = ckpt.load_checkpoint(path)
@@ -296,6 +298,25 @@ def maybe_resume(run: Run) -> None:
     run.step = state["step"]
     run.owed_eval_step = state.get("owed_eval_step")  # older checkpoints: none
     log_main(f"resumed from {path} at step {run.step}")
+
+
+def check_same_checkpoint(run: Run, path: Path | None) -> None:
+    """Every rank of the run's group, before ``resume: auto`` loads anything: the checkpoint each rank
+    found must be rank 0's. A rank that lists another one (a stale listing of a shared file system)
+    or none (output_dir on a disk of its own node) would resume other weights, step and data position,
+    and the ranks would train apart until one waited for the others; every rank raises the same line."""
+    if not run.info.distributed:
+        return
+    found: list[str | None] = [None] * dist.get_world_size(run.group)
+    dist.all_gather_object(found, None if path is None else str(path), group=run.group)
+    if len(set(found)) == 1:
+        return
+    seen = ", ".join(f"rank {rank} {p or 'no checkpoint'}" for rank, p in enumerate(found))
+    raise ValueError(
+        f"checkpoint.resume=auto: the ranks see different checkpoints in {run.cfg.output_dir}: {seen}; "
+        "output_dir must be one folder that every rank shares and sees alike (a shared file system): "
+        "fix that, or name the checkpoint (checkpoint.resume=<path>), and run the same command again"
+    )
 
 
 def set_aside_abandoned(run: Run, path: Path | None, step: int) -> None:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from dflash_train.train import checkpoint as ckpt
 from dflash_train.train import checkpoint_space as space
 from dflash_train.train.faults import any_rank_flags
+from dflash_train.train.logging import log_main
 from dflash_train.train.parallel import unwrap
 from dflash_train.train.run import Run, attempt, checkpoint_group, train_state_dict
 
@@ -79,6 +80,18 @@ def settle_saves(run: Run) -> None:
     each save and once the loop is done (every rank gets there together)."""
     raise_if_failed(run, attempt(run.writer.wait), run.writer.pending_step)
     run.writer.pending_step = None
+
+
+def close_after_failure(run: Run) -> None:
+    """The loop raised: wait for the save in flight (it may still commit this process's last
+    checkpoint), and shut the writer down, without that save's own failure replacing the error that
+    stopped the loop (the one the user must see); the save's failure is logged in one line."""
+    step, error = run.writer.pending_step, attempt(run.writer.close)
+    if error is not None:
+        log_main(
+            f"the save of step {step} in flight failed too: {type(error).__name__}: {error}; it is not "
+            f"committed: checkpoint.resume: auto continues from the newest committed checkpoint in {run.cfg.output_dir}"
+        )
 
 
 def raise_if_failed(run: Run, error: BaseException | None, step: int | None) -> None:

@@ -63,6 +63,7 @@ from dflash_train.train.run import (
     total_steps,
     write_run_info,
 )
+from dflash_train.train.saves import close_after_failure
 from dflash_train.train.split_saves import save_with_targets, settle_with_targets
 from dflash_train.train.split_stream import (
     FeatureReceiver,
@@ -321,8 +322,10 @@ def run_drafter_rank(
                         log_main(f"stop requested: saved {saved} at step {run.step}; exiting")
                         break
             settle_with_targets(run, ctx.layout)  # the last save's failure, if any, stops every rank here
-        finally:
-            run.writer.close()  # the last checkpoint is committed before the export and the exit
+        except BaseException:
+            close_after_failure(run)  # the loop's error stays the one raised
+            raise
+        run.writer.close()  # the last checkpoint is committed before the export and the exit
         export = export_final(run) if run.step >= run.total_steps else None
     report_deferred_stop(late)
     logger.close()
