@@ -270,16 +270,6 @@ def test_the_compiled_step_gives_the_padded_engines_tokens(kind, sampling):
     assert engine.step_body.num_compiles == 1 and len(buckets) >= 3
 
 
-def test_the_compiled_step_refuses_the_flex_attention():
-    with pytest.raises(ValueError, match="decode_attention='grouped'"):
-        SlotEngine(
-            build_tiny_target("qwen3", vocab_size=64),
-            num_slots=2,
-            decode_attention="flex",
-            compile_decode=True,
-        )
-
-
 def test_a_grown_cache_counts_the_allocators_unused_blocks_as_free(monkeypatch):
     """Growing the slot cache drops the old one first; its blocks stay reserved by PyTorch's allocator
     (which hands them back before failing), so the fit check must count them: on an H200, regen's
