@@ -110,7 +110,10 @@ def test_sigkill_during_a_save_resumes_from_the_last_committed_step(task, tmp_pa
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert any(p.name.startswith(".tmp-step-00000008") for p in ckpt.checkpoints_root(out).iterdir())
     assert ckpt.latest_checkpoint(out).name == "step-00000004"
-    assert [r["step"] for r in metric_rows(out)] == list(range(1, 9))  # steps 5-8 are logged again
+    # Steps 5-8 are logged again on resume. The commit of step 8 runs on the writer's thread while the
+    # loop goes on, so on a busy machine step 9 (or later) can be logged before the kill lands.
+    logged = [r["step"] for r in metric_rows(out)]
+    assert logged == list(range(1, len(logged) + 1)) and 8 <= len(logged) < 12, logged
     executed = []
     assert train(tiny_config(task, out), step_recorder(executed))["step"] == 12
     assert executed == list(range(5, 13))
