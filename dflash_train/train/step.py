@@ -200,15 +200,16 @@ def optimizer_update(
 
 
 def handle_nonfinite(run: Run, loss: float, grad_norm: float) -> None:
-    """Stop every rank before the update (default) or skip the step and count it."""
+    """Stop every rank before the update (default) or skip the step and count it. The step is named
+    as the progress line and metrics.jsonl number it (1-based: ``run.step`` steps are done)."""
     if run.cfg.train.nonfinite == "skip":
         run.counters["skipped_steps"] += 1
         log_main(
-            f"step {run.step}: non-finite loss {loss} or grad norm {grad_norm} on some rank; step skipped (train.nonfinite=skip)"
+            f"step {run.step + 1}: non-finite loss {loss} or grad norm {grad_norm} on some rank; step skipped (train.nonfinite=skip)"
         )
         return
     raise NonFiniteError(
-        f"step {run.step}: non-finite loss ({loss}) or gradient norm ({grad_norm}) on at least one rank; stopped before the optimizer step, "
+        f"step {run.step + 1}: non-finite loss ({loss}) or gradient norm ({grad_norm}) on at least one rank; stopped before the optimizer step, "
         "no checkpoint written after it. Lower train.lr, check the data, or set train.nonfinite=skip to skip such steps."
     )
 
