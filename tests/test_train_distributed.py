@@ -210,3 +210,33 @@ def test_ranks_that_see_different_checkpoints_to_resume_stop_before_training(tas
     # Nothing trained on: no checkpoint beyond the first sitting's, no metrics row of a later step.
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
     assert max(logged_losses(out)) == 4
+
+
+def unreadable_checkpoint_worker(rank: int, port: int, task: dict, out_dir: str) -> None:
+    """Two sittings of a 2-rank run; in the second, rank 1 alone cannot read the checkpoint to resume."""
+    become_rank(rank, 2, port)
+    extra = ["train.parallel=ddp", "train.max_steps=8", "checkpoint.every_steps=2", "train.dist_timeout_s=20"]
+    train_and_record(rank, task, out_dir, *extra, "train.steps_per_process=4")
+    from dflash_train.train import checkpoint as ckpt
+
+    if rank == 1:
+
+        def unreadable(path):
+            raise PermissionError(13, "Permission denied", str(path / "state.pt"))
+
+        ckpt.load_checkpoint = unreadable
+    train_and_record(rank, task, out_dir, *extra)
+
+
+def test_a_checkpoint_one_rank_cannot_read_stops_every_rank_with_its_error(task, tmp_path):
+    """Before, rank 0 went on into the sharded load's collectives and waited for rank 1 until it
+    exited (then failed on the closed connection): now both raise the same line within seconds."""
+    out = tmp_path / "run"
+    out.mkdir()
+    spawn_ranks(unreadable_checkpoint_worker, (free_port(), task, str(out)), nprocs=2, timeout_s=150)
+    outcomes = rank_outcomes(out)
+    assert outcomes[0] == outcomes[1], outcomes
+    assert outcomes[0].startswith(
+        f"RuntimeError: resume: reading {out}/checkpoints/step-00000004 failed on rank 1: PermissionError: "
+    ), outcomes
+    assert max(logged_losses(out)) == 4  # nothing trained on

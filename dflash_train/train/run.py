@@ -27,7 +27,7 @@ from dflash_train.config import RunConfig
 from dflash_train.train import checkpoint as ckpt
 from dflash_train.train import resume_check
 from dflash_train.train.builders import build_scheduler
-from dflash_train.train.faults import any_rank_error, any_rank_flags
+from dflash_train.train.faults import any_rank_error, any_rank_flags, first_rank_error
 from dflash_train.train.logging import MetricsLogger, log_main
 from dflash_train.train.parallel import DistInfo, full_model_state, unwrap
 
@@ -271,7 +271,7 @@ def maybe_resume(run: Run) -> None:
         check_same_checkpoint(run, path)
     if path is None:
         return
-    loaded = ckpt.load_checkpoint(path)
+    loaded = read_checkpoint(run, path)
     resume_check.check_resume_compatible(
         loaded["config"],
         run.cfg.to_dict(),
@@ -298,6 +298,27 @@ def maybe_resume(run: Run) -> None:
     run.step = state["step"]
     run.owed_eval_step = state.get("owed_eval_step")  # older checkpoints: none
     log_main(f"resumed from {path} at step {run.step}")
+
+
+def read_checkpoint(run: Run, path: Path) -> dict[str, Any]:
+    """``ckpt.load_checkpoint`` on every rank, then a vote: a rank that cannot read it (a file its
+    node cannot open) would leave the others waiting in the sharded load's collectives until it
+    exits; every rank raises the same line naming that rank instead. One process raises as is."""
+    loaded: dict[str, Any] = {}
+    error = attempt(lambda: loaded.update(ckpt.load_checkpoint(path)))
+    if not run.info.distributed:
+        if error is not None:
+            raise error
+        return loaded
+    found = first_rank_error(error, group=run.group)
+    if found is not None:
+        rank, message = found
+        raise RuntimeError(
+            f"resume: reading {path} failed on rank {rank}: {message}; every rank must be able to read "
+            "output_dir's checkpoints: fix that rank's access (or set that checkpoint aside), then run the "
+            "same command again"
+        ) from error
+    return loaded
 
 
 def check_same_checkpoint(run: Run, path: Path | None) -> None:
