@@ -12,6 +12,10 @@ Steps (``--steps``, in the order given; default all):
                  bytes per save of gather, dcp-sync and dcp-async, on ``--work``'s disk
   lengths-short  ``bench lengths short-chat --preset qwen3.6-27b``: buckets against packing, real
   lengths-mixed  tokens/s and padding waste (mixed-chat for the second)
+  generation     ``bench generation --preset smollm2-135m`` at 1,024 slots: the compiled step with the
+                 grouped attention against flex over live blocks (rows/s), one layer's decode
+                 attention alone per kernel (``--attention-shapes``) and the top-p draw alone
+                 (``--sampler-shapes``), the generation issue's open figures
   gpu-tests      ``python3 -m pytest -v -rfE -m gpu TESTS``: pass/fail counts and wall time; ``--tests``
                  (default ``tests``) picks files, so the suite can span calls (on an H100 its first 22
                  tests took the whole 540 s): ``--tests tests/test_[a-m]*.py``, then ``[n-z]``.
@@ -73,6 +77,8 @@ def bench(mode: str, *args: str) -> Callable[[argparse.Namespace, float], list[s
         shape = DRY_RUN_SHAPES[mode] if options.dry_run else REAL_SHAPES[mode]
         extra = [a for a in args if not (options.dry_run and a == "--target-fp8")]
         scratch = ["--dir", str(options.work / "checkpoint")] if mode == "checkpoint" else []
+        if mode == "generation":  # its JSON beside the step's log, not in the working directory
+            scratch = ["--out", str(options.out / "generation_bench.json")]
         return [
             sys.executable, "-m", "dflash_train.cli", "bench", mode, *extra, *shape, *scratch,
             "--json", "--no-progress", "--step-timeout-s", f"{limit_s:.0f}",
@@ -86,12 +92,22 @@ REAL_SHAPES = {
     "train": ["--preset", "qwen3.6-27b"],
     "checkpoint": ["--preset", "qwen3.6-27b", "--saves", "2"],
     "lengths": ["--preset", "qwen3.6-27b", "--steps", "30", "--warmup", "2"],
-}
+    "generation": [
+        "--preset", "smollm2-135m", "--num-prompts", "1024", "--batch-sizes", "1024", "--max-new-tokens", "256",
+        "--engines", "slots-compiled,slots-flex-compiled", "--sampler-shapes", "1024x49152,64x248320",
+        "--attention-shapes", "1024x256,1024x512,1024x1024,256x2048",
+    ],
+}  # fmt: skip
 DRY_RUN_SHAPES = {
     "train": ["--preset", "tiny", "--steps", "1", "--warmup", "1", "--device", "cpu"],
     "checkpoint": ["--preset", "tiny", "--saves", "1", "--device", "cpu"],
     "lengths": ["--preset", "tiny", "--steps", "2", "--warmup", "0", "--device", "cpu"],
-}
+    "generation": [
+        "--preset", "tiny-qwen3", "--device", "cpu", "--num-prompts", "3", "--batch-sizes", "2",
+        "--max-new-tokens", "8", "--engines", "slots-uncompiled,slots-flex", "--sampler-shapes", "3x256",
+        "--attention-shapes", "3x256",
+    ],
+}  # fmt: skip
 
 
 def gpu_tests(options: argparse.Namespace, limit_s: float) -> list[str]:
@@ -150,6 +166,29 @@ def lengths_figures(result: dict | None, log: str) -> dict:
     return {**modes, "packing_speedup": result["packing_speedup"], "compile": compile_report}
 
 
+def generation_figures(result: dict | None, log: str) -> dict:
+    """Rows/s of each engine, each decode-attention kernel's time per shape, each top-p draw's time."""
+    if result is None:
+        return {}
+    run_keys = ("status", "rows_per_s", "generated_tokens_per_s", "warmup_decode_compile_s")
+    return {
+        "runs": {r["engine"]: {k: r.get(k) for k in run_keys} for r in result["runs"]},
+        "attention": [
+            {
+                k: v
+                for k, v in a.items()
+                if k.endswith("_ms") or k in ("slots", "kv", "bucket_mb", "live_mb", "status")
+            }
+            for a in result["attention"]
+        ],
+        "sampler": [
+            {k: a.get(k) for k in ("rows", "vocab", "sort_ms", "sort_free_ms", "speedup", "status")}
+            for a in result["sampler"]
+        ],
+        "device": result["device"],
+    }
+
+
 def pytest_figures(result: dict | None, log: str) -> dict:
     """Counts of pytest's last summary line (``27 passed, 1 failed in 407.12s``) and the failed tests."""
     summaries = [line for line in log.splitlines() if re.search(r"\b\d+ \w+.* in [\d.]+s\b", line)]
@@ -198,6 +237,15 @@ def lengths_line(figures: dict) -> str:
     return "; ".join(modes) + f"; packing x{figures['packing_speedup']:.2f}"
 
 
+def generation_line(figures: dict) -> str:
+    runs = [f"{engine} {values['rows_per_s']} rows/s" for engine, values in figures["runs"].items()]
+    attention = [
+        f"{a['slots']}x{a['kv']} grouped {a.get('grouped_compiled_ms', '-')} / flex {a.get('flex_ms', '-')} ms"
+        for a in figures["attention"]
+    ]
+    return "; ".join(runs + attention)
+
+
 def pytest_line(figures: dict) -> str:
     return figures["summary"]
 
@@ -211,6 +259,7 @@ STEPS: dict[str, Step] = {
     "checkpoint": Step(bench("checkpoint"), 540, checkpoint_figures, checkpoint_line),
     "lengths-short": Step(bench("lengths", "short-chat"), 540, lengths_figures, lengths_line),
     "lengths-mixed": Step(bench("lengths", "mixed-chat"), 540, lengths_figures, lengths_line),
+    "generation": Step(bench("generation"), 540, generation_figures, generation_line),
     "gpu-tests": Step(gpu_tests, 540, pytest_figures, pytest_line),
 }  # fmt: skip
 

@@ -52,7 +52,7 @@ def test_the_dry_run_runs_every_step_end_to_end_on_cpu(tmp_path):
     results = read_results(out)
     steps = results["steps"]
     assert results["dry_run"] is True and list(steps) == [
-        "train-bf16", "train-fp8", "checkpoint", "lengths-short", "lengths-mixed", "gpu-tests",
+        "train-bf16", "train-fp8", "checkpoint", "lengths-short", "lengths-mixed", "generation", "gpu-tests",
     ]  # fmt: skip
     assert all(record["status"] == "ok" and record["rc"] == 0 for record in steps.values())
     for name in ("train-bf16", "train-fp8"):
@@ -67,12 +67,20 @@ def test_the_dry_run_runs_every_step_end_to_end_on_cpu(tmp_path):
         lengths = steps[name]["figures"]
         assert lengths["packing"]["real_tokens_per_s"] > 0 and lengths["packing_speedup"] > 0
         assert lengths["packing"]["padding_waste_epoch"] < lengths["buckets"]["padding_waste_epoch"]
+    generation = steps["generation"]["figures"]
+    assert set(generation["runs"]) == {"slots-uncompiled", "slots-flex"}
+    assert all(run["rows_per_s"] > 0 for run in generation["runs"].values())
+    assert generation["attention"][0]["grouped_ms"] > 0 and generation["attention"][0]["flex_ms"] > 0
+    assert generation["sampler"][0]["sort_free_ms"] > 0
+    assert (out / "generation_bench.json").exists() and not (
+        SCRIPT.parents[1] / "generation_bench.json"
+    ).exists()
     tests = steps["gpu-tests"]["figures"]
     assert tests["counts"]["skipped"] >= 1 and "failed" not in tests["counts"]  # GPU tests skip on CPU
     assert not (tmp_path / "work" / "checkpoint").exists()  # scratch removed
     # The table is printed last, one line per step, and kept in table.txt.
     table = (out / "table.txt").read_text().splitlines()
-    assert done.stdout.strip().splitlines()[-7:] == table
+    assert done.stdout.strip().splitlines()[-8:] == table
     assert table[1].startswith("train-bf16") and "tok/s" in table[1] and "compile: none" in table[1]
     assert all((out / f"{name}.log").exists() for name in steps)
 
