@@ -23,12 +23,12 @@ Shapes: S slots, Hq query heads, Hkv key/value heads, C capacity, KV attended in
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from dflash_train.bench.timing import time_graphed
 from dflash_train.generate.decode_attention import (
     FLEX_BLOCK,
     LiveBlockMask,
@@ -84,38 +84,6 @@ def kernels(inputs: dict) -> dict[str, Callable[[], torch.Tensor]]:
     return calls
 
 
-def time_call(call: Callable[[], torch.Tensor], device: torch.device, repeats: int) -> dict:
-    """{"ms": per call, "first_call_s"}: graphed on CUDA (as in the decode step), eager on CPU."""
-    out: list[torch.Tensor] = []
-    if device.type != "cuda":
-        started = time.perf_counter()
-        call()
-        first_call_s = time.perf_counter() - started
-        started = time.perf_counter()
-        for _ in range(repeats):
-            call()
-        return {"ms": (time.perf_counter() - started) / repeats * 1e3, "first_call_s": first_call_s}
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        started = time.perf_counter()
-        call()
-        torch.cuda.synchronize()  # host sync: the first call's wall time, compilation included
-        first_call_s = time.perf_counter() - started
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        out.append(call())
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()  # host sync: read the events
-    return {"ms": begin.elapsed_time(end) / repeats, "first_call_s": first_call_s}
-
-
 def time_attentions(
     slots: int, kv: int, config, device: torch.device, dtype: torch.dtype, repeats: int = 50
 ) -> dict:
@@ -140,7 +108,7 @@ def time_attentions(
     )
     for name, call in kernels(inputs).items():
         try:
-            timing = time_call(call, device, repeats)
+            timing = time_graphed(call, device, repeats)
             error = (call().float() - reference).abs().max().item()  # host sync: a reported number
         except Exception as exc:  # a kernel this torch cannot build is a result, not the end of the run
             record[f"{name}_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"

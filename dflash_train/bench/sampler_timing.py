@@ -13,11 +13,11 @@ Shapes: R rows, V vocab.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
 
+from dflash_train.bench.timing import time_graphed
 from dflash_train.generate.nucleus import nucleus_mask
 from dflash_train.generate.sampling import Sampling, choose_tokens
 
@@ -47,37 +47,7 @@ def sorted_draw(logits: torch.Tensor, uniforms: torch.Tensor, sampling: Sampling
 def time_draw(draw: Callable, logits: torch.Tensor, uniforms: torch.Tensor, repeats: int) -> dict:
     """{"ms": per draw, "first_call_s"}: graphed on CUDA (as in the decode step), eager on CPU."""
     tokens = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-
-    def step() -> None:
-        tokens.copy_(draw(logits, uniforms, TIMED))
-
-    if logits.device.type != "cuda":
-        started = time.perf_counter()
-        step()
-        first_call_s = time.perf_counter() - started
-        started = time.perf_counter()
-        for _ in range(repeats):
-            step()
-        return {"ms": (time.perf_counter() - started) / repeats * 1e3, "first_call_s": first_call_s}
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        started = time.perf_counter()
-        step()
-        torch.cuda.synchronize()  # host sync: the first call's wall time, compilation included
-        first_call_s = time.perf_counter() - started
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        step()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()  # host sync: read the events
-    return {"ms": begin.elapsed_time(end) / repeats, "first_call_s": first_call_s}
+    return time_graphed(lambda: tokens.copy_(draw(logits, uniforms, TIMED)), logits.device, repeats)
 
 
 def time_samplers(num_rows: int, vocab: int, device: torch.device, repeats: int = 50) -> dict:
