@@ -6,8 +6,9 @@
 - ``Watchdog`` dumps every thread's stack when no step has started for ``timeout_s`` seconds, to
   find out where a hung collective or kernel is waiting. It only observes; it never kills.
 - ``any_rank_true`` / ``any_rank_flags``: the one way a control-flow decision is made (stop, skip,
-  save, non-finite loss), so no rank branches alone; ``any_rank_error`` / ``first_rank_error``: the
-  same for an error of work some ranks do alone (rank 0 writing a file, a rank's evaluation).
+  save, non-finite loss), so no rank branches alone; ``any_rank_error`` / ``first_rank_error`` /
+  ``raise_if_any_rank_failed``: the same for an error of work some ranks do alone (rank 0 writing a
+  file, a rank's evaluation, a rank's read of the checkpoint to resume).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -175,6 +176,15 @@ def first_rank_error(error: BaseException | None, group=None) -> tuple[int, str]
     found: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(found, message, group=group)
     return next(((rank, m) for rank, m in enumerate(found) if m is not None), None)
+
+
+def raise_if_any_rank_failed(error: BaseException | None, group, describe: Callable[[int, str], str]) -> None:
+    """Every rank of ``group``, after work each rank does alone (``error``: this rank's, None if it
+    succeeded): if any rank failed, every rank raises the same ``RuntimeError(describe(rank, message))``
+    of the first failed rank, so none waits in a later collective for a rank that raised alone."""
+    found = first_rank_error(error, group)
+    if found is not None:
+        raise RuntimeError(describe(*found)) from error
 
 
 def any_rank_true(flag: bool, device: torch.device | str) -> bool:

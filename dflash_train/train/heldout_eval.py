@@ -51,7 +51,7 @@ from dflash_train.eval.diagnosis import BlockStats, summarize_diagnosis
 from dflash_train.eval.speculative import Generation
 from dflash_train.eval.summary import summarize_rounds
 from dflash_train.models.serving import LOOKUP_MAX_DRAFT
-from dflash_train.train.faults import any_rank_error, first_rank_error
+from dflash_train.train.faults import any_rank_error, raise_if_any_rank_failed
 from dflash_train.train.logging import log_main
 from dflash_train.train.parallel import unwrap, uses_fsdp
 
@@ -225,14 +225,15 @@ def share_local_outcome(run, error: BaseException | None, what: str) -> None:
     (``what``; ``error``: this rank's, None if it succeeded): a failure on any rank raises the same
     one-line ``RuntimeError`` naming the first failed rank on every rank, so no rank waits in the
     gather of results (or the next step's collective) for a rank that raised alone."""
-    found = first_rank_error(error, group=run.group)
-    if found is not None:
-        rank, message = found
-        raise RuntimeError(
+    raise_if_any_rank_failed(
+        error,
+        run.group,
+        lambda rank, message: (
             f"eval: {what} failed on rank {rank}: {message}; if it ran out of memory, lower eval.batch_size "
             "(the continuations) or eval.drafter_batch_tokens (the evaluation), otherwise fix what the "
             "error names; then run the same command again to resume"
-        ) from error
+        ),
+    )
 
 
 def group_rank_and_size(run) -> tuple[int, int]:

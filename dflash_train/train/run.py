@@ -27,7 +27,7 @@ from dflash_train.config import RunConfig
 from dflash_train.train import checkpoint as ckpt
 from dflash_train.train import resume_check
 from dflash_train.train.builders import build_scheduler
-from dflash_train.train.faults import any_rank_error, any_rank_flags, first_rank_error
+from dflash_train.train.faults import any_rank_error, any_rank_flags, raise_if_any_rank_failed
 from dflash_train.train.logging import MetricsLogger, log_main
 from dflash_train.train.parallel import DistInfo, full_model_state, unwrap
 
@@ -310,14 +310,15 @@ def read_checkpoint(run: Run, path: Path) -> dict[str, Any]:
         if error is not None:
             raise error
         return loaded
-    found = first_rank_error(error, group=run.group)
-    if found is not None:
-        rank, message = found
-        raise RuntimeError(
+    raise_if_any_rank_failed(
+        error,
+        run.group,
+        lambda rank, message: (
             f"resume: reading {path} failed on rank {rank}: {message}; every rank must be able to read "
             "output_dir's checkpoints: fix that rank's access (or set that checkpoint aside), then run the "
             "same command again"
-        ) from error
+        ),
+    )
     return loaded
 
 
