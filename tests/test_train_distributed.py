@@ -177,18 +177,24 @@ def test_a_finished_run_leaves_the_process_group_before_the_process_exits(task, 
     assert outcomes == [{"step": 12, "group_left": True}] * 2
 
 
-def stale_listing_worker(rank: int, port: int, task: dict, out_dir: str, seen: str) -> None:
-    """Two sittings of a 2-rank run; in the second, rank 1's view of output_dir is not rank 0's: it
-    lists only the older checkpoint (``older``: a stale listing of a shared file system) or none
-    (``none``: output_dir on a disk of its own node)."""
+def resume_fault_worker(rank: int, port: int, task: dict, out_dir: str, fault: str) -> None:
+    """Two sittings of a 2-rank run; in the second, rank 1 alone resumes otherwise than rank 0: it lists
+    only the older checkpoint (``older``: a stale listing of a shared file system), none (``none``:
+    output_dir on a disk of its own node), or cannot read the checkpoint (``unreadable``)."""
     become_rank(rank, 2, port)
     extra = ["train.parallel=ddp", "train.max_steps=8", "checkpoint.every_steps=2", "train.dist_timeout_s=20"]
     train_and_record(rank, task, out_dir, *extra, "train.steps_per_process=4")
     from dflash_train.train import checkpoint as ckpt
 
-    if rank == 1:
+    if rank == 1 and fault == "unreadable":
+
+        def unreadable(path):
+            raise PermissionError(13, "Permission denied", str(path / "state.pt"))
+
+        ckpt.load_checkpoint = unreadable
+    elif rank == 1:
         committed = ckpt.committed_checkpoints(out_dir)
-        ckpt.latest_checkpoint = lambda output_dir: committed[-2] if seen == "older" else None
+        ckpt.latest_checkpoint = lambda output_dir: committed[-2] if fault == "older" else None
     train_and_record(rank, task, out_dir, *extra)
 
 
@@ -199,7 +205,7 @@ def test_ranks_that_see_different_checkpoints_to_resume_stop_before_training(tas
     train apart until one waited for the others at the run's end. Every rank refuses with one line."""
     out = tmp_path / "run"
     out.mkdir()
-    spawn_ranks(stale_listing_worker, (free_port(), task, str(out), seen), nprocs=2, timeout_s=150)
+    spawn_ranks(resume_fault_worker, (free_port(), task, str(out), seen), nprocs=2, timeout_s=150)
     outcomes = rank_outcomes(out)
     assert outcomes[0] == outcomes[1], outcomes
     step = "checkpoints/step-00000002" if seen == "older" else "no checkpoint"
@@ -212,28 +218,12 @@ def test_ranks_that_see_different_checkpoints_to_resume_stop_before_training(tas
     assert max(logged_losses(out)) == 4
 
 
-def unreadable_checkpoint_worker(rank: int, port: int, task: dict, out_dir: str) -> None:
-    """Two sittings of a 2-rank run; in the second, rank 1 alone cannot read the checkpoint to resume."""
-    become_rank(rank, 2, port)
-    extra = ["train.parallel=ddp", "train.max_steps=8", "checkpoint.every_steps=2", "train.dist_timeout_s=20"]
-    train_and_record(rank, task, out_dir, *extra, "train.steps_per_process=4")
-    from dflash_train.train import checkpoint as ckpt
-
-    if rank == 1:
-
-        def unreadable(path):
-            raise PermissionError(13, "Permission denied", str(path / "state.pt"))
-
-        ckpt.load_checkpoint = unreadable
-    train_and_record(rank, task, out_dir, *extra)
-
-
 def test_a_checkpoint_one_rank_cannot_read_stops_every_rank_with_its_error(task, tmp_path):
     """Before, rank 0 went on into the sharded load's collectives and waited for rank 1 until it
     exited (then failed on the closed connection): now both raise the same line within seconds."""
     out = tmp_path / "run"
     out.mkdir()
-    spawn_ranks(unreadable_checkpoint_worker, (free_port(), task, str(out)), nprocs=2, timeout_s=150)
+    spawn_ranks(resume_fault_worker, (free_port(), task, str(out), "unreadable"), nprocs=2, timeout_s=150)
     outcomes = rank_outcomes(out)
     assert outcomes[0] == outcomes[1], outcomes
     assert outcomes[0].startswith(
