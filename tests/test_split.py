@@ -438,6 +438,44 @@ def test_a_checkpoint_the_drafters_cannot_read_stops_the_target_ranks_with_them(
     assert max(failed_at) - min(failed_at) < 10, failed_at
 
 
+@pytest.mark.parametrize(
+    "planted,expected",
+    [
+        ("build_target", "target rank 0: RuntimeError: planted build_target failure"),
+        ("build_optimizer", "drafter rank 0: RuntimeError: planted build_optimizer failure"),
+        ("metrics_log", "drafter rank 0: RuntimeError: opening the metrics log in "),
+    ],
+)
+def test_a_start_up_failure_of_either_role_stops_every_rank_at_once_with_one_line(setup, planted, expected):
+    """A start-up step only one role does fails: building the target on the target rank (before the
+    roles first meet, in the data preparation), building the drafters' optimizer (before they meet
+    at the resume), or opening the metrics log on drafter rank 0 (output_dir/metrics.jsonl is a
+    directory; after the last start-up collective, while the target rank goes on to stream). Every
+    rank raises the same one-line error within seconds. Before, the other role waited for the failed
+    one in its next collective: here gloo's "Connection closed by peer" once the failed ranks exit,
+    on NCCL until train.dist_timeout_s."""
+    root, overrides = setup
+    run_dir = root / f"start-up-fails-{planted}"
+    if planted == "metrics_log":
+        (run_dir / "metrics.jsonl").mkdir(parents=True)
+    spec = {
+        "mode": "split",
+        "overrides": [*overrides, f"output_dir={run_dir}", *split_overrides(1, 2)],
+        "fail_builder": None if planted == "metrics_log" else planted,
+        "timeout": 30,
+    }
+    codes, seconds = launch(spec, 3, run_dir, timeout_s=150)
+    assert all(code != 0 for code in codes), logs(run_dir)
+    assert seconds < 100
+    failures = [json.loads((run_dir / "results" / f"rank{r}.json").read_text()) for r in range(3)]
+    errors = {failure["error"] for failure in failures}
+    assert len(errors) == 1, errors  # the same line on every rank
+    (error,) = errors
+    assert error.startswith(f"RuntimeError: split start-up failed on {expected}") and "\n" not in error
+    failed_at = [f["time"] for f in failures]
+    assert max(failed_at) - min(failed_at) < 10, failed_at  # together, not one by one at a timeout
+
+
 # ----------------------------------------------------------------------------- worker (one rank)
 
 
@@ -505,6 +543,13 @@ def worker(spec: dict) -> None:
             raise OSError("planted unreadable shard")
 
         ckpt.load_sharded_state = unreadable
+    if spec.get("fail_builder"):
+        from dflash_train.train import builders
+
+        def planted_builder(*args, **kwargs):
+            raise RuntimeError(f"planted {spec['fail_builder']} failure")
+
+        setattr(builders, spec["fail_builder"], planted_builder)
     if spec.get("plant_tokenize_error"):
         from dflash_train.data import cache
 

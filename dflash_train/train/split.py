@@ -16,6 +16,8 @@ targets already sent. On log and save steps every rank reports to drafter rank 0
 target ranks' data positions against its own before writing the checkpoint (one folder, one
 commit marker); the verdict is one more all-ranks vote, so on a mismatch every rank stops with the
 same line before the save. Drafter rank 0 is also the rank that logs (``logging.set_main_rank``).
+Start-up votes the same way: what only one role builds (the target; the drafter, its metrics log)
+is voted on where the roles next meet (``split_stream.starting_up_together``).
 
 Saves. Only the drafter ranks write (their votes run over the drafter group), but every rank learns
 the outcome: after each save, and after the loop (the last save's background commit), one more
@@ -79,7 +81,9 @@ from dflash_train.train.split_stream import (
     share_position_check,
     share_resume_outcome,
     share_save_outcome,
+    share_startup_outcome,
     split_metrics,
+    starting_up_together,
 )
 from dflash_train.train.step import (
     LogWindow,
@@ -144,6 +148,7 @@ def run_target_rank(
 ) -> dict[str, Any]:
     """Read the drafters' shards, run the truncated target forward, stream; vote every step."""
     producer = FeatureProducer(cfg, layout, info, stream_group, hooks)
+    share_startup_outcome(layout, None)  # the drafter ranks opened their metrics log: the stream starts
     step, total = producer.start_step, producer.total
     stacks = Path(cfg.output_dir) / f"watchdog-stacks-rank{layout.rank}.txt"
     with GracefulStop() as stop, Watchdog(cfg.train.watchdog_s, stacks) as watchdog:
@@ -189,21 +194,23 @@ class FeatureProducer:
         from dflash_train.data.loader import TrainData, pad_token_id
 
         self.cfg, self.layout, self.info, self.hooks = cfg, layout, info, hooks
-        self.target = builders.build_target(cfg, info)
+        with starting_up_together(layout):  # the drafter ranks load the target's head meanwhile
+            self.target = builders.build_target(cfg, info)
         shared = share_data_info(cfg, layout, self.target)
         self.steps_per_epoch = shared["steps_per_epoch"]
         total_steps(cfg, self.steps_per_epoch)  # too little data fails here, as on the drafter ranks
-        self.streams = [
-            TrainData(
-                shared["tokenized"],
-                cfg.data,
-                seed=cfg.train.seed,
-                rank=d,
-                world_size=layout.num_drafter_ranks,
-                pad_id=pad_token_id(self.target.tokenizer),
-            )
-            for d in range(layout.num_drafter_ranks)
-        ]
+        with starting_up_together(layout):  # the drafter ranks build the drafter meanwhile
+            self.streams = [
+                TrainData(
+                    shared["tokenized"],
+                    cfg.data,
+                    seed=cfg.train.seed,
+                    rank=d,
+                    world_size=layout.num_drafter_ranks,
+                    pad_id=pad_token_id(self.target.tokenizer),
+                )
+                for d in range(layout.num_drafter_ranks)
+            ]
         share_resume_outcome(layout, None)  # raises with the drafter ranks if they could not resume
         start = [None]
         dist.broadcast_object_list(start, src=layout.drafter_main)  # resume point, decided by drafter rank 0
@@ -287,7 +294,8 @@ def run_drafter_rank(
             f"split placement runs no held-out evaluation: the one owed at step {run.owed_eval_step} is not run"
         )
         run.owed_eval_step = None  # else the run never counts as finished, and every checkpoint owes it
-    logger = open_logger(run)
+    with starting_up_together(layout):  # else the target ranks would wait for it in their first step
+        logger = open_logger(run)
     timer, window = PhaseTimer(info.device), LogWindow(run.step)
     last_loss, saved, busy_s = float("nan"), None, 0.0
     stacks = Path(cfg.output_dir) / "watchdog-stacks.txt"
@@ -347,37 +355,12 @@ def build_drafter_run(
     """The drafter rank's ``Run`` over the drafter group (resumed if a checkpoint exists) and its stream."""
     from dflash_train.models.target import load_target_head
 
-    head = load_target_head(cfg.target, info.device)  # the embedding, LM head and config only
+    with starting_up_together(layout):  # the target ranks build the target meanwhile
+        head = load_target_head(cfg.target, info.device)  # the embedding, LM head and config only
     shared = share_data_info(cfg, layout, head)
-    local = DistInfo(
-        rank=layout.drafter_index,
-        world_size=layout.num_drafter_ranks,
-        local_rank=info.local_rank,
-        device=info.device,
-    )
-    draft_config, drafter = builders.build_drafter(cfg, head, _UnwrappedInfo(**vars(local)))
-    model = wrap_drafter(drafter, cfg.train.parallel, DTYPES[cfg.train.dtype], local, group=group)
-    optimizer = builders.build_optimizer(model, cfg, local)
-    total = total_steps(cfg, shared["steps_per_epoch"])
-    data = StreamPosition(
-        shared["steps_per_epoch"],
-        shared["log_stats"],
-        shared["batches_per_epoch"],
-        shared["file_fingerprints"],
-    )
-    run = Run(
-        cfg=cfg,
-        info=local,
-        target=head,
-        draft_config=draft_config,
-        model=model,
-        optimizer=optimizer,
-        scheduler=builders.build_scheduler(optimizer, cfg, total),
-        data=data,
-        total_steps=total,
-        group=group,
-        writer=ckpt.CheckpointWriter(asynchronous=cfg.checkpoint.async_write),
-    )
+    total = total_steps(cfg, shared["steps_per_epoch"])  # too little data fails here, as on the target ranks
+    with starting_up_together(layout):  # the target ranks open the drafters' data streams meanwhile
+        run = new_drafter_run(cfg, layout, info, group, head, shared, total)
     error = None
     try:
         maybe_resume(run)  # may keep another length: the one the checkpoint's run was planned with
@@ -385,7 +368,7 @@ def build_drafter_run(
         error = err
     share_resume_outcome(layout, error)
     error = None
-    if local.is_main:
+    if run.info.is_main:
         error = attempt(
             lambda: write_run_info(
                 run,
@@ -396,7 +379,7 @@ def build_drafter_run(
                 drafter_ranks=layout.num_drafter_ranks,
             )
         )
-    start = {"step": run.step, "micro": data.micro, "total": run.total_steps}
+    start = {"step": run.step, "micro": run.data.micro, "total": run.total_steps}
     start["run_info_error"] = None if error is None else f"{type(error).__name__}: {error}"
     box = [start]
     dist.broadcast_object_list(box, src=layout.drafter_main)  # every rank learns whether it was written
@@ -409,6 +392,40 @@ def build_drafter_run(
     )
     return run, DrafterContext(
         layout, receiver, pipeline_depth(cfg.train.max_in_flight, cfg.train.grad_accum)
+    )
+
+
+def new_drafter_run(
+    cfg: RunConfig, layout: SplitLayout, info: DistInfo, group, head, shared: dict[str, Any], total: int
+) -> Run:
+    """The drafter rank's ``Run`` at step 0: drafter, optimizer and schedule over the drafter group."""
+    local = DistInfo(
+        rank=layout.drafter_index,
+        world_size=layout.num_drafter_ranks,
+        local_rank=info.local_rank,
+        device=info.device,
+    )
+    draft_config, drafter = builders.build_drafter(cfg, head, _UnwrappedInfo(**vars(local)))
+    model = wrap_drafter(drafter, cfg.train.parallel, DTYPES[cfg.train.dtype], local, group=group)
+    optimizer = builders.build_optimizer(model, cfg, local)
+    data = StreamPosition(
+        shared["steps_per_epoch"],
+        shared["log_stats"],
+        shared["batches_per_epoch"],
+        shared["file_fingerprints"],
+    )
+    return Run(
+        cfg=cfg,
+        info=local,
+        target=head,
+        draft_config=draft_config,
+        model=model,
+        optimizer=optimizer,
+        scheduler=builders.build_scheduler(optimizer, cfg, total),
+        data=data,
+        total_steps=total,
+        group=group,
+        writer=ckpt.CheckpointWriter(asynchronous=cfg.checkpoint.async_write),
     )
 
 

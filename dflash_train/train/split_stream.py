@@ -19,6 +19,12 @@ Back-pressure: a target rank keeps at most ``train.max_in_flight`` unreceived fe
 drafter rank, waiting on the oldest send before posting another; it runs at most
 ``max_in_flight // grad_accum`` steps ahead of the drafters.
 
+Start-up. Each role builds what only it needs (the target; the drafter, its optimizer, its metrics
+log) between the points where the two roles meet (the data preparation, the resume, the start of
+the stream). Each such part runs in ``starting_up_together``: its error goes into one all-ranks vote
+(``share_startup_outcome``) at the next meeting point, so every rank raises the same line at once
+instead of the other role waiting for the failed one in its next collective.
+
 Reports. On log and save steps every rank sends drafter rank 0 a report (``gather_object``):
 timings, queue depth, bytes and, from the target ranks, their data positions; ``split_metrics``
 turns them into busy fractions and the bottleneck. Before every save one all-ranks vote on whether
@@ -31,9 +37,11 @@ per optimizer step (``train.grad_accum``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +51,7 @@ import torch.distributed as dist
 from dflash_train.config import RunConfig
 from dflash_train.data.batching import Batch
 from dflash_train.train import checkpoint_space as space
-from dflash_train.train.faults import any_rank_flags
+from dflash_train.train.faults import any_rank_flags, raise_if_any_rank_failed
 
 HEADER_LEN = 6  # step, micro, rows, seq_len, epoch, feature width
 
@@ -80,6 +88,12 @@ class SplitLayout:
     def drafter_main(self) -> int:
         """Global rank of drafter rank 0: it logs and writes checkpoints."""
         return self.num_target_ranks
+
+    def rank_name(self, rank: int) -> str:
+        """How messages name global rank ``rank``: ``target rank i`` or ``drafter rank i``."""
+        if rank < self.num_target_ranks:
+            return f"target rank {rank}"
+        return f"drafter rank {rank - self.num_target_ranks}"
 
     def producer(self, micro_index: int, drafter: int) -> int:
         """Target rank producing micro-batch ``micro_index`` (= step * M + k) of drafter ``drafter``."""
@@ -349,6 +363,29 @@ def position_mismatch(
     return (
         f"split data positions disagree at step {step}: drafter {drafter_position}, target ranks "
         f"{positions}; no checkpoint of this step was written (a bug in the split stream: please report it)"
+    )
+
+
+@contextlib.contextmanager
+def starting_up_together(layout: SplitLayout) -> Iterator[None]:
+    """A part of the start-up only this rank's role does, then ``share_startup_outcome``: its error
+    is carried into that all-ranks vote instead of raised before it."""
+    error = None
+    try:
+        yield
+    except Exception as err:  # recovery boundary: the vote below raises it on every rank
+        error = err
+    share_startup_outcome(layout, error)
+
+
+def share_startup_outcome(layout: SplitLayout, error: BaseException | None) -> None:
+    """Every rank, where the two roles meet during start-up (``error``: this rank's failure in the
+    part of the start-up only its role does, None if it went through): one all-ranks vote, so on a
+    failure every rank raises the same one-line ``RuntimeError`` naming the first failed rank, at
+    once, instead of the other role waiting for it in its next collective (until
+    ``train.dist_timeout_s`` on NCCL; gloo reports the failed rank's closed connection instead)."""
+    raise_if_any_rank_failed(
+        error, None, lambda rank, message: f"split start-up failed on {layout.rank_name(rank)}: {message}"
     )
 
 
