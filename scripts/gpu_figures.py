@@ -27,7 +27,8 @@ margin); a step that no longer fits is recorded as not run. Under ``--out`` (def
 ./gpu-logs): ``gpu_figures.json`` (each step's command, status, exit code, wall time, the bench's
 JSON and its figures), rewritten before and after every step so a call cut short still returns the
 finished steps (and ``running`` for the cut one), ``STEP.log`` per step, and ``table.txt``, the
-table printed last. Exit code 0 when every step ran and passed, else 1.
+table printed last. Exit code 0 when every step ran and passed, else 1. The header names the commit
+and the source digest (``source_digest``; ``--print-source-digest`` prints a local tree's).
 
 Dry run on a CPU (the wiring end to end in about a minute, numbers meaningless): ``--dry-run`` runs
 every step at the tiny presets on the CPU (``train-fp8`` without ``--target-fp8``: FP8 needs CUDA
@@ -37,6 +38,7 @@ sm89+), and ``gpu-tests`` on one test file, whose GPU tests skip.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -56,6 +58,8 @@ RESULTS = "gpu_figures.json"
 MIN_STEP_S = 30.0
 # After SIGTERM to a step's process group, seconds before SIGKILL.
 KILL_GRACE_S = 10.0
+# What the figures were measured with: these folders' files, named by their content.
+SOURCE_FOLDERS = ("dflash_train", "scripts")
 
 
 @dataclass(frozen=True)
@@ -278,6 +282,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--dry-run", action="store_true", help="tiny presets on the CPU (see the header)")
     parser.add_argument("--tests", nargs="+", default=["tests"], help="gpu-tests: test files or folders")
+    parser.add_argument(
+        "--print-source-digest",
+        action="store_true",
+        help="print this tree's source digest (the header's 'source') and exit",
+    )
     args = parser.parse_args(argv)
     args.steps = [name.strip() for name in args.steps.split(",") if name.strip()]
     unknown = [name for name in args.steps if name not in STEPS]
@@ -370,6 +379,22 @@ def last_json_object(text: str) -> dict | None:
     return None
 
 
+def source_digest(root: Path = REPO) -> str:
+    """The first 12 hex digits of a SHA-256 over the relative paths and contents of every file under
+    ``SOURCE_FOLDERS`` (bytecode caches left out): the code a figure was measured with, named by its
+    content. The device machine's copy of the git history can lag the tree it was sent (its HEAD
+    named an older commit), so the commit alone does not say; ``--print-source-digest`` prints the
+    same digest for a local tree to compare."""
+    digest = hashlib.sha256()
+    for folder in SOURCE_FOLDERS:
+        for path in sorted((root / folder).rglob("*")):
+            if not path.is_file() or "__pycache__" in path.parts or path.suffix == ".pyc":
+                continue
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+            digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
 def header(args: argparse.Namespace) -> dict:
     """Where and with what the figures were measured."""
     commit = subprocess.run(
@@ -383,6 +408,7 @@ def header(args: argparse.Namespace) -> dict:
             versions[package] = None
     return {
         "commit": commit.stdout.strip() or "unknown (no git checkout here)",
+        "source": source_digest(),
         "dry_run": args.dry_run,
         "versions": versions,
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -440,13 +466,19 @@ def step_line(name: str, record: dict) -> str:
 
 def table(results: dict) -> str:
     dry_run = " (dry run: tiny presets on the CPU, numbers meaningless)" if results["dry_run"] else ""
-    lines = [f"gpu figures, commit {results['commit']}, started {results['started']}{dry_run}"]
+    lines = [
+        f"gpu figures, commit {results['commit']}, source {results['source']}, "
+        f"started {results['started']}{dry_run}"
+    ]
     lines += [step_line(name, record) for name, record in results["steps"].items()]
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.print_source_digest:
+        print(source_digest())
+        return 0
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     results = {**header(args), "steps": {}}

@@ -197,3 +197,24 @@ def test_the_gpu_tests_run_the_files_given_and_name_each_test_as_it_finishes(fig
     command = figures.gpu_tests(options, 100.0)
     assert command[-2:] == ["tests/test_a.py", "tests/test_b.py"] and "-v" in command and "-q" not in command
     assert figures.gpu_tests(figures.parse_args(["--steps", "gpu-tests"]), 100.0)[-1] == "tests"
+
+
+def test_the_source_digest_names_the_code_by_content_not_by_commit(figures, tmp_path):
+    """The device's git history can lag the tree it was sent: the header's ``source`` changes with
+    any source file's content or name, ignores bytecode, and the CLI prints the same digest."""
+    for folder in figures.SOURCE_FOLDERS:
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "a.py").write_text("x = 1\n")
+    first = figures.source_digest(tmp_path)
+    (tmp_path / "dflash_train" / "__pycache__").mkdir()
+    (tmp_path / "dflash_train" / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\0")
+    assert figures.source_digest(tmp_path) == first
+    (tmp_path / "scripts" / "a.py").write_text("x = 2\n")
+    changed = figures.source_digest(tmp_path)
+    (tmp_path / "scripts" / "a.py").rename(tmp_path / "scripts" / "b.py")
+    renamed = figures.source_digest(tmp_path)
+    assert len({first, changed, renamed}) == 3 and len(first) == 12
+    printed = subprocess.run(
+        [sys.executable, str(SCRIPT), "--print-source-digest"], capture_output=True, text=True, check=True
+    )
+    assert printed.stdout.strip() == figures.source_digest()
