@@ -56,6 +56,7 @@ bench_step() {  # bench_step NAME TIMEOUT MODE ARGS...: one `dflash-train bench`
 }
 q36=(--preset qwen3.6-27b)
 git log -1 --format='commit %h %cs' 2>/dev/null | tee -a "$OUT/summary.txt"
+echo "source $(python3 scripts/gpu_figures.py --print-source-digest)" | tee -a "$OUT/summary.txt"  # the code by content
 python3 -c "import torch, transformers, fla; print('torch', torch.__version__, 'transformers', transformers.__version__, 'fla', fla.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/summary.txt"
 for group in "${groups[@]}"; do
   case $group in
