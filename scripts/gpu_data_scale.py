@@ -17,7 +17,8 @@ runs under a timeout inside the budget:
   eval   each finished run, on the per-task held-out files, evalsets/handwritten.jsonl and its own
          first training rows.
 Under ``--out`` (``$OUT``), rewritten after every stage so that a call cut short still returns them:
-``status.json`` (each stage's latest result and where every run is; ``done`` once all is measured),
+``status.json`` (each stage's latest result and where every run is; ``done`` once all is measured;
+``source``, the code's digest, gpu_figures' ``source_digest``),
 gpu_quality's ``summary.json``, ``table.txt`` and ``logs.tar.gz``, and ``synth.tar.gz`` (the prompts,
 held-out files and synth state, split into ``synth.partNN.tar.gz`` past 15 MiB), and once regen is
 done ``regen-rows.partNN.jsonl.xz`` (the rows, for a later lease's ``--regen-rows``), or at the end of a
@@ -48,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gpu_bundles as bundles  # noqa: E402
 import gpu_quality as quality  # noqa: E402
+from gpu_figures import source_digest  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -395,6 +397,7 @@ def write_status(args, status: dict) -> None:
         and len(status.get("evaluated", [])) >= 2 * len(runs)
     )
     status["elapsed_s"] = round(time.monotonic() - args.started, 1)
+    status["source"] = source_digest()  # the code by content: the device's git history can lag
     (args.work / "status.json").write_text(json.dumps(status, indent=1))
     (args.out / "status.json").write_text(json.dumps(status, indent=1))
 

@@ -349,3 +349,11 @@ def test_synth_args_reach_the_synth_command(scale, tmp_path, monkeypatch):
     scale.synth_stage(args, {})
     (command,) = commands
     assert command[0] == "synth" and "--stop-loops" in command and command[-1] == "--json"
+
+
+def test_the_status_names_the_code_it_was_measured_with(scale, tmp_path):
+    args = scale_args(tmp_path, started=0.0)
+    args.work.mkdir()
+    scale.write_status(args, {})
+    written = json.loads((args.out / "status.json").read_text())
+    assert written["source"] == scale.source_digest() and len(written["source"]) == 12
