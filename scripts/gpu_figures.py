@@ -283,9 +283,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dry-run", action="store_true", help="tiny presets on the CPU (see the header)")
     parser.add_argument("--tests", nargs="+", default=["tests"], help="gpu-tests: test files or folders")
     parser.add_argument(
-        "--print-source-digest",
-        action="store_true",
-        help="print this tree's source digest (the header's 'source') and exit",
+        "--print-source-digest", action="store_true", help="print the header's 'source' and exit"
     )
     args = parser.parse_args(argv)
     args.steps = [name.strip() for name in args.steps.split(",") if name.strip()]
@@ -466,10 +464,8 @@ def step_line(name: str, record: dict) -> str:
 
 def table(results: dict) -> str:
     dry_run = " (dry run: tiny presets on the CPU, numbers meaningless)" if results["dry_run"] else ""
-    lines = [
-        f"gpu figures, commit {results['commit']}, source {results['source']}, "
-        f"started {results['started']}{dry_run}"
-    ]
+    names = f"commit {results['commit']}, source {results['source']}"
+    lines = [f"gpu figures, {names}, started {results['started']}{dry_run}"]
     lines += [step_line(name, record) for name, record in results["steps"].items()]
     return "\n".join(lines)
 
