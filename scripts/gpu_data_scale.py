@@ -133,6 +133,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not args.target:
         p.error("--target is required, unless --dry-run")
     args.started, args.max_rows = time.monotonic(), 0
+    args.source = source_digest()  # once: a later call may replace the job's tree while it runs
     args.extra_heldout = list(args.heldout)
     return args
 
@@ -397,7 +398,7 @@ def write_status(args, status: dict) -> None:
         and len(status.get("evaluated", [])) >= 2 * len(runs)
     )
     status["elapsed_s"] = round(time.monotonic() - args.started, 1)
-    status["source"] = source_digest()  # the code by content: the device's git history can lag
+    status["source"] = args.source  # the code by content: the device's git history can lag
     (args.work / "status.json").write_text(json.dumps(status, indent=1))
     (args.out / "status.json").write_text(json.dumps(status, indent=1))
 

@@ -352,7 +352,9 @@ def test_synth_args_reach_the_synth_command(scale, tmp_path, monkeypatch):
 
 
 def test_the_status_names_the_code_it_was_measured_with(scale, tmp_path):
-    args = scale_args(tmp_path, started=0.0)
+    args = scale.parse_args(
+        ["--target", "T", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]
+    )
     args.work.mkdir()
     scale.write_status(args, {})
     written = json.loads((args.out / "status.json").read_text())
