@@ -101,7 +101,11 @@ def test_the_graphed_compiled_step_compiles_once_per_sampling_setting_on_cuda(at
     )
     eager = SlotEngine(model, num_slots=3, kv_bucket=8, compile_decode=False, use_cuda_graphs=False)
     assert compiles_over(CALLS, compiled, eager) == one_per_setting(CALLS)
-    assert compiled.graphs.num_captures > len(one_per_setting(CALLS))
+    # The compiled code ran inside captured graphs, captured again after the calls' growths dropped
+    # them: more captures than compilations. (Not more than calls: flex attends the whole capacity,
+    # one graph per cache size, so it captured 5 times over these 9 calls on an H100; grouped captures
+    # one per attended bucket.)
+    assert compiled.graphs.num_captures > one_per_setting(CALLS)[-1]
 
 
 def test_the_inductor_step_chooses_its_kernels_without_timing_them(monkeypatch):
