@@ -1,22 +1,59 @@
 #!/usr/bin/env bash
-# The device side of a lease with the real SmolLM2 target: the parts that ../shared/tools/real-target.sh
-# parts writes (.dev/gguf-a, .dev/gguf-b with the converter) and rows or other files arrive in calls of
+# A lease with the real SmolLM2 target, prepared here and assembled on the device: the parts that
+# ../shared/tools/real-target.sh parts writes (.dev/gguf-a, .dev/gguf-b with the converter) and rows or other files arrive in calls of
 # their own (at most 64 MiB travel per call; /tmp is kept while the machine stays warm), then the
 # target is assembled and the working tree copied to a job folder that the next calls' fresh trees
 # do not replace (docs/quality.md, "The next lease").
 #
+#   here, once:                   scripts/gpu_lease_setup.sh prepare      (everything below, into .dev/)
 #   call 1, carry .dev/gguf-a:    scripts/gpu_lease_setup.sh part-a
 #   call 2, carry DIR:            scripts/gpu_lease_setup.sh files DIR      (e.g. .dev/rows -> $TMP/rows)
-#   call 3, carry .dev/gguf-b .whl [...]:
+#   calls 3-4 (a continuation):   files .dev/exp1, files .dev/exp2
+#   call 5, carry .dev/gguf-b .whl [...]:
 #                                 scripts/gpu_lease_setup.sh target && export PYTHONPATH=$TMP/site:$TMP/job
+#                                 scripts/gpu_lease_setup.sh export DIR   (exp1 + exp2 -> the export DIR)
 #                                 cd $TMP/job && scripts/gpu_detached.sh NAME WAIT_S CMD...
+#
+# prepare (on this machine, from the project root): the target's parts and the gguf wheel
+# (../shared/tools), the shared held-out prompts, the 92,597 regenerated rows (.dev/rows, from the
+# history: datasets/smollm2-135m-tasks/README.md) and the 10,058-step DFlash2 export
+# (exports/smollm2-135m-dflash2-10k/README.md) split into two halves that fit a call each
+# (.dev/exp1/st.00, .dev/exp2/st.01 with config.json and SERVING.md); what is there is kept.
 #
 # target: the wheels in .whl/ into $TMP/site (if any), part a + part b -> $TMP/smol-src/model.gguf,
 # the converter -> $TMP/smol (skipped when it is there: a second call is cheap), this tree without
 # .dev/, .whl/, .venv/, .git/ and runs/ -> $TMP/job (replaced). TMP is $LEASE_TMP, default /tmp.
 set -euo pipefail
 tmp=${LEASE_TMP:-/tmp}
+# where prepare finds the rows and the export (the READMEs name these commits) and the shared tools
+rows_commit=${ROWS_COMMIT:-56d4946} export_commit=${EXPORT_COMMIT:-ab86930} half_bytes=46000000
 case "${1:-}" in
+  prepare)
+    shared=${SHARED:-../shared}
+    mkdir -p .dev
+    [ -f .dev/gguf-b/part ] || "$shared/tools/real-target.sh" parts
+    compgen -G ".whl/gguf-*.whl" >/dev/null || "$shared/tools/gpu-wheels.sh" gguf
+    cp -n "$shared/data/smollm2-135m/heldout_synth.jsonl.gz" .dev/
+    mkdir -p .dev/rows .dev/exp1 .dev/exp2
+    for i in 00 01 02; do
+      f=.dev/rows/regen-rows.part$i.jsonl.xz
+      [ -s "$f" ] || git show "$rows_commit:datasets/smollm2-135m-tasks/${f##*/}" > "$f"
+    done
+    cp datasets/smollm2-135m-tasks/regen-rows.part03.jsonl.xz .dev/rows/
+    e=.dev/export-rows-92597-d2
+    if [ ! -f "$e/model.safetensors" ]; then
+      for i in 00 01 02 03 04 05; do
+        git show "$export_commit:exports/smollm2-135m-dflash2-10k/export-rows-92597-d2.part$i.tar"
+      done | tar -x -C .dev
+    fi
+    head -c $half_bytes "$e/model.safetensors" > .dev/exp1/st.00
+    tail -c +$((half_bytes + 1)) "$e/model.safetensors" > .dev/exp2/st.01
+    cp "$e/config.json" "$e/SERVING.md" .dev/exp2/
+    du -sh .dev/gguf-a .dev/gguf-b .dev/rows .dev/exp1 .dev/exp2 ;;
+  export)
+    dest=${2:?the export folder to write}
+    mkdir -p "$dest" && cat "$tmp/exp1/st.00" "$tmp/exp2/st.01" > "$dest/model.safetensors"
+    cp "$tmp/exp2/config.json" "$tmp/exp2/SERVING.md" "$dest/" && ls -la "$dest" ;;
   part-a)
     mkdir -p "$tmp/smol-src" && cp .dev/gguf-a/part "$tmp/smol-src/a.part"
     ls -la "$tmp/smol-src" ;;
@@ -43,5 +80,5 @@ case "${1:-}" in
     tar --exclude=./.dev --exclude=./.whl --exclude=./.venv --exclude=./.git --exclude=./runs \
       --exclude=./.pytest_cache --exclude=./.ruff_cache -cf - . | tar -xf - -C "$tmp/job"
     echo "target $tmp/smol; job folder $tmp/job" ;;
-  *) sed -n '2,16p' "$0"; exit 2 ;;
+  *) sed -n '2,25p' "$0"; exit 2 ;;
 esac

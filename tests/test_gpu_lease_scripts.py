@@ -108,3 +108,69 @@ def test_a_failed_conversion_says_what_the_converter_needs_and_leaves_no_half_ta
     failed = setup("target", repo, tmp)
     assert failed.returncode == 1 and "gpu-wheels.sh gguf" in failed.stdout
     assert not (tmp / "smol").exists()  # the next call converts again instead of using a half target
+
+
+def test_prepare_restores_the_rows_and_splits_the_export_that_the_device_joins_byte_for_byte(tmp_path):
+    """The rows and the trained export live in the history, not the tree; a fresh checkout (whose
+    git-ignored .dev/ is empty) restores them and splits the export's weights into halves that fit a
+    call each, and the device joins the halves back."""
+    repo, tmp, shared = tmp_path / "repo", tmp_path / "tmp", tmp_path / "shared"
+    (shared / "data" / "smollm2-135m").mkdir(parents=True)
+    (shared / "data" / "smollm2-135m" / "heldout_synth.jsonl.gz").write_bytes(b"held out")
+    rows = repo / "datasets" / "smollm2-135m-tasks"
+    rows.mkdir(parents=True)
+    for i in range(4):
+        (rows / f"regen-rows.part0{i}.jsonl.xz").write_bytes(f"rows {i}".encode())
+    export = tmp_path / "export-rows-92597-d2"
+    export.mkdir()
+    weights = os.urandom(46_000_000 + 1234)
+    (export / "model.safetensors").write_bytes(weights)
+    (export / "config.json").write_text("{}")
+    (export / "SERVING.md").write_text("serve")
+    parts = repo / "exports" / "smollm2-135m-dflash2-10k"
+    parts.mkdir(parents=True)
+    tar = subprocess.run(
+        ["tar", "-cf", "-", "-C", str(tmp_path), export.name], capture_output=True, check=True
+    )
+    step = len(tar.stdout) // 6 + 1
+    for i in range(6):
+        (parts / f"export-rows-92597-d2.part0{i}.tar").write_bytes(tar.stdout[i * step : (i + 1) * step])
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, check=True).stdout
+
+    git("init", "-q")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "rows and export")
+    commit = git("rev-parse", "HEAD").strip()
+    for i in range(3):  # the first three parts of the rows and the export leave the tree
+        (rows / f"regen-rows.part0{i}.jsonl.xz").unlink()
+    for part in parts.iterdir():
+        part.unlink()
+    for half in "ab":  # the target's parts and the wheel are there
+        (repo / ".dev" / f"gguf-{half}").mkdir(parents=True)
+        (repo / ".dev" / f"gguf-{half}" / "part").write_bytes(half.encode())
+    (repo / ".whl").mkdir()
+    (repo / ".whl" / "gguf-0.19.0-py3-none-any.whl").write_bytes(b"w")
+    env = {"ROWS_COMMIT": commit, "EXPORT_COMMIT": commit, "SHARED": str(shared)}
+    done = subprocess.run(
+        f"{SCRIPTS / 'gpu_lease_setup.sh'} prepare",
+        shell=True,
+        cwd=repo,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    dev = repo / ".dev"
+    assert [p.read_bytes() for p in sorted((dev / "rows").iterdir())] == [
+        f"rows {i}".encode() for i in range(4)
+    ]
+    assert (dev / "heldout_synth.jsonl.gz").read_bytes() == b"held out"
+    assert (dev / "exp1" / "st.00").stat().st_size == 46_000_000  # each half fits a call beside the tree
+    assert setup("files .dev/exp1", repo, tmp).returncode == 0
+    assert setup("files .dev/exp2", repo, tmp).returncode == 0
+    joined = setup(f"export {tmp / 'export'}", repo, tmp)
+    assert joined.returncode == 0, joined.stderr
+    assert (tmp / "export" / "model.safetensors").read_bytes() == weights
+    assert (tmp / "export" / "config.json").read_text() == "{}"
