@@ -230,3 +230,34 @@ def test_a_checkpoint_one_rank_cannot_read_stops_every_rank_with_its_error(task,
         f"RuntimeError: resume: reading {out}/checkpoints/step-00000004 failed on rank 1: PermissionError: "
     ), outcomes
     assert max(logged_losses(out)) == 4  # nothing trained on
+
+
+def start_up_fails_worker(rank: int, port: int, task: dict, out_dir: str, planted: str) -> None:
+    """Rank 1 alone fails one start-up step (``planted``: a builder of ``train.colocated``): a target
+    or drafter path only rank 0's node has, or memory another process holds on rank 1's GPU."""
+    become_rank(rank, 2, port)
+    from dflash_train.train import colocated
+
+    if rank == 1:
+
+        def planted_failure(*args, **kwargs):
+            raise RuntimeError(f"planted {planted} failure")
+
+        setattr(colocated, planted, planted_failure)
+    train_and_record(
+        rank, task, out_dir, "train.parallel=ddp", "train.max_steps=2", "train.dist_timeout_s=20"
+    )
+
+
+@pytest.mark.parametrize("planted", ["build_target", "new_drafter", "build_optimizer"])
+def test_a_start_up_failure_on_one_rank_stops_every_rank_at_once_with_one_line(task, tmp_path, planted):
+    """Each rank builds its target, drafter and optimizer alone before the ranks first meet (DDP's
+    wrapper, the data broadcast). One rank failing there left the others waiting in that collective:
+    on gloo until the failed rank's connection closed (another error on each rank), on NCCL until
+    train.dist_timeout_s (30 min by default). Now every rank raises the same line at once."""
+    out = tmp_path / "run"
+    out.mkdir()
+    spawn_ranks(start_up_fails_worker, (free_port(), task, str(out), planted), nprocs=2, timeout_s=150)
+    outcomes = rank_outcomes(out)
+    assert outcomes[0] == outcomes[1], outcomes
+    assert outcomes[0] == f"RuntimeError: start-up failed on rank 1: RuntimeError: planted {planted} failure"

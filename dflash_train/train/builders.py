@@ -26,7 +26,17 @@ def build_target(cfg: RunConfig, info: DistInfo):
 
 
 def build_drafter(cfg: RunConfig, target, info: DistInfo):
-    """Resolve the drafter shape against the target, build it in fp32 (master weights) and wrap it."""
+    """``new_drafter``, wrapped for data parallelism over every rank."""
+    draft_config, drafter = new_drafter(cfg, target, info)
+    model = wrap_drafter(drafter, cfg.train.parallel, DTYPES[cfg.train.dtype], info)
+    announce_backend(cfg, info)
+    return draft_config, model
+
+
+def new_drafter(cfg: RunConfig, target, info: DistInfo):
+    """Resolve the drafter shape against the target and build it in fp32 (master weights), loaded from
+    ``drafter.init_from`` if set, compiled and checkpointed as the recipe says; not yet wrapped (the
+    wrap is a collective: ``wrap_drafter``)."""
     from dflash_train.models.drafter import DFlashDrafter
     from dflash_train.models.presets import check_serving_layer_ids, resolve_drafter_config
     from dflash_train.models.target import validate_target_for_drafter
@@ -52,9 +62,7 @@ def build_drafter(cfg: RunConfig, target, info: DistInfo):
     if cfg.drafter.init_from:
         init_from_export(drafter, draft_config, cfg.drafter.init_from)
     apply_compile_and_checkpointing(drafter, cfg)
-    model = wrap_drafter(drafter, cfg.train.parallel, DTYPES[cfg.train.dtype], info)
-    announce_backend(cfg, info)
-    return draft_config, model
+    return draft_config, drafter
 
 
 # Devices on which PyTorch's flex attention has a forward but no backward (torch 2.5-2.13 refuse

@@ -16,21 +16,29 @@ from typing import Any
 import torch
 
 from dflash_train.config import RunConfig
+from dflash_train.models.dtypes import DTYPES
 from dflash_train.train import checkpoint as ckpt
 from dflash_train.train.builders import (
+    announce_backend,
     build_data,
-    build_drafter,
     build_optimizer,
     build_scheduler,
     build_target,
+    new_drafter,
     seed_everything,
 )
-from dflash_train.train.faults import GracefulStop, Watchdog, report_deferred_stop
+from dflash_train.train.faults import GracefulStop, Watchdog, failing_together, report_deferred_stop
 from dflash_train.train.heldout_eval import build_heldout_eval
 from dflash_train.train.heldout_eval import evaluate as evaluate_heldout
 from dflash_train.train.logging import MetricsLogger, log_main
 from dflash_train.train.loss import add_metrics
-from dflash_train.train.parallel import DistInfo, init_distributed, unwrap, use_expandable_segments
+from dflash_train.train.parallel import (
+    DistInfo,
+    init_distributed,
+    unwrap,
+    use_expandable_segments,
+    wrap_drafter,
+)
 from dflash_train.train.run import (
     Run,
     TrainHooks,
@@ -195,11 +203,19 @@ def train_step(
 
 
 def build_run(cfg: RunConfig, info: DistInfo) -> Run:
-    """Target, drafter, optimizer, schedule and data; then resume if a checkpoint exists."""
+    """Target, drafter, optimizer, schedule and data; then resume if a checkpoint exists.
+
+    Each rank builds its target, drafter and optimizer alone, between the collectives of the
+    drafter's wrapper and of the data: a failure there is voted on (``failing_together``), so that
+    every rank raises it at once instead of waiting for the failed rank in the next collective."""
     seed_everything(cfg.train.seed)
-    target = build_target(cfg, info)
-    draft_config, model = build_drafter(cfg, target, info)
-    optimizer = build_optimizer(model, cfg, info)
+    with failing_together(None, startup_failure):
+        target = build_target(cfg, info)
+        draft_config, drafter = new_drafter(cfg, target, info)
+    model = wrap_drafter(drafter, cfg.train.parallel, DTYPES[cfg.train.dtype], info)
+    announce_backend(cfg, info)
+    with failing_together(None, startup_failure):
+        optimizer = build_optimizer(model, cfg, info)
     data = build_data(cfg, target, info)
     total = total_steps(cfg, data.steps_per_epoch)
     run = Run(
@@ -221,3 +237,7 @@ def build_run(cfg: RunConfig, info: DistInfo) -> Run:
         f"world {info.world_size}, device {info.device}, target kernels {target.kernels}"
     )
     return run
+
+
+def startup_failure(rank: int, message: str) -> str:
+    return f"start-up failed on rank {rank}: {message}"

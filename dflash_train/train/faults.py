@@ -8,17 +8,19 @@
 - ``any_rank_true`` / ``any_rank_flags``: the one way a control-flow decision is made (stop, skip,
   save, non-finite loss), so no rank branches alone; ``any_rank_error`` / ``first_rank_error`` /
   ``raise_if_any_rank_failed``: the same for an error of work some ranks do alone (rank 0 writing a
-  file, a rank's evaluation, a rank's read of the checkpoint to resume).
+  file, a rank's evaluation, a rank's read of the checkpoint to resume); ``failing_together`` wraps
+  such work (a rank's start-up) in that vote.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
 
@@ -185,6 +187,22 @@ def raise_if_any_rank_failed(error: BaseException | None, group, describe: Calla
     found = first_rank_error(error, group)
     if found is not None:
         raise RuntimeError(describe(*found)) from error
+
+
+@contextlib.contextmanager
+def failing_together(group, describe: Callable[[int, str], str]) -> Iterator[None]:
+    """Work each rank of ``group`` does alone before the ranks next meet (building its target,
+    drafter or optimizer): its error goes into ``raise_if_any_rank_failed``, so every rank raises the
+    same line at once instead of the others waiting for the failed rank in their next collective
+    (until ``train.dist_timeout_s`` on NCCL). Without a process group the error is raised as it is."""
+    error = None
+    try:
+        yield
+    except Exception as err:  # recovery boundary: the vote below raises it on every rank
+        if not (dist.is_available() and dist.is_initialized()):
+            raise
+        error = err
+    raise_if_any_rank_failed(error, group, describe)
 
 
 def any_rank_true(flag: bool, device: torch.device | str) -> bool:

@@ -340,15 +340,6 @@ def run_drafter_rank(
     return {"role": "drafter", **run_result(run, logger, last_loss, saved, export)}
 
 
-@dataclass(frozen=True)
-class _UnwrappedInfo(DistInfo):
-    """``DistInfo`` that makes ``builders.build_drafter`` return the bare module (wrapped per group later)."""
-
-    @property
-    def distributed(self) -> bool:
-        return False
-
-
 def build_drafter_run(
     cfg: RunConfig, layout: SplitLayout, info: DistInfo, group, stream_group
 ) -> tuple[Run, DrafterContext]:
@@ -405,8 +396,9 @@ def new_drafter_run(
         local_rank=info.local_rank,
         device=info.device,
     )
-    draft_config, drafter = builders.build_drafter(cfg, head, _UnwrappedInfo(**vars(local)))
+    draft_config, drafter = builders.new_drafter(cfg, head, local)
     model = wrap_drafter(drafter, cfg.train.parallel, DTYPES[cfg.train.dtype], local, group=group)
+    builders.announce_backend(cfg, local)
     optimizer = builders.build_optimizer(model, cfg, local)
     data = StreamPosition(
         shared["steps_per_epoch"],

@@ -37,11 +37,9 @@ per optimizer step (``train.grad_accum``).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import time
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +49,7 @@ import torch.distributed as dist
 from dflash_train.config import RunConfig
 from dflash_train.data.batching import Batch
 from dflash_train.train import checkpoint_space as space
-from dflash_train.train.faults import any_rank_flags, raise_if_any_rank_failed
+from dflash_train.train.faults import any_rank_flags, failing_together, raise_if_any_rank_failed
 
 HEADER_LEN = 6  # step, micro, rows, seq_len, epoch, feature width
 
@@ -366,16 +364,10 @@ def position_mismatch(
     )
 
 
-@contextlib.contextmanager
-def starting_up_together(layout: SplitLayout) -> Iterator[None]:
-    """A part of the start-up only this rank's role does, then ``share_startup_outcome``: its error
-    is carried into that all-ranks vote instead of raised before it."""
-    error = None
-    try:
-        yield
-    except Exception as err:  # recovery boundary: the vote below raises it on every rank
-        error = err
-    share_startup_outcome(layout, error)
+def starting_up_together(layout: SplitLayout):
+    """A part of the start-up only this rank's role does: its error is carried into the all-ranks
+    vote of ``share_startup_outcome`` (``faults.failing_together``) instead of raised before it."""
+    return failing_together(None, lambda rank, message: startup_failure(layout, rank, message))
 
 
 def share_startup_outcome(layout: SplitLayout, error: BaseException | None) -> None:
@@ -384,9 +376,11 @@ def share_startup_outcome(layout: SplitLayout, error: BaseException | None) -> N
     failure every rank raises the same one-line ``RuntimeError`` naming the first failed rank, at
     once, instead of the other role waiting for it in its next collective (until
     ``train.dist_timeout_s`` on NCCL; gloo reports the failed rank's closed connection instead)."""
-    raise_if_any_rank_failed(
-        error, None, lambda rank, message: f"split start-up failed on {layout.rank_name(rank)}: {message}"
-    )
+    raise_if_any_rank_failed(error, None, lambda rank, message: startup_failure(layout, rank, message))
+
+
+def startup_failure(layout: SplitLayout, rank: int, message: str) -> str:
+    return f"split start-up failed on {layout.rank_name(rank)}: {message}"
 
 
 def share_resume_outcome(layout: SplitLayout, error: BaseException | None) -> None:
