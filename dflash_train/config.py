@@ -267,6 +267,12 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(
             f"checkpoint.keep_last={cfg.checkpoint.keep_last}: keep at least 2 so a crash during a save leaves a good one."
         )
+    for key, every in (("checkpoint", cfg.checkpoint.every_steps), ("logging", cfg.logging.every_steps)):
+        if every < 1:  # unlike eval.every_steps, no "0 = at the end only": a step count >= 1
+            raise ValueError(
+                f"{key}.every_steps={every}: use a step count >= 1 (a run also {'saves' if key == 'checkpoint' else 'logs'} "
+                "at its last step, so a count above train.max_steps means only there)."
+            )
     validate_loss_options(t)
     check_variant_placement(d, t.placement)
     validate_eval(cfg.eval, t)

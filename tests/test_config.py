@@ -53,6 +53,11 @@ def test_wrong_type_names_key():
 def test_cross_field_errors_say_how_to_fix():
     with pytest.raises(ValueError, match="keep at least 2"):
         load_config("tiny-cpu", ["checkpoint.keep_last=1"])
+    # Once accepted by analogy with eval.every_steps=0: every step's `step % every_steps` then divided
+    # by zero, so no checkpoint was ever written.
+    for key in ("checkpoint", "logging"):
+        with pytest.raises(ValueError, match=rf"{key}.every_steps=0: use a step count >= 1"):
+            load_config("tiny-cpu", [f"{key}.every_steps=0"])
     with pytest.raises(ValueError, match="ascending"):
         load_config("tiny-cpu", ["data.seq_buckets=[256,128]"])
     with pytest.raises(ValueError, match="not implemented.*train.placement=split"):
