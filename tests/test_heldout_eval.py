@@ -495,3 +495,40 @@ def test_a_gather_for_the_evaluation_that_fails_on_one_rank_stops_that_rank_with
         "failed on rank 0: "
     ), outcomes
     assert time.monotonic() - started < 20, "a rank waited for the other until train.dist_timeout_s"
+
+
+def test_ranks_that_recover_export_best_at_once_all_find_it(tmp_path, monkeypatch):
+    """A writer died between its two renames (export-best -> .export-best.old, staging -> export-best);
+    on the next start every rank finds export-best missing at once and moves the copy back. The
+    ranks that lost that race raised FileNotFoundError alone, outside any vote, and the others
+    waited for them in the next collective."""
+    import threading
+
+    from dflash_train.train.heldout_eval import recover_export_best
+
+    old = tmp_path / ".export-best.old"
+    old.mkdir()
+    (old / "eval.json").write_text("{}")
+    both_checked = threading.Barrier(2)
+    real_rename = Path.rename
+
+    def rename_after_both_checked(self, target):
+        both_checked.wait(timeout=10)
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename_after_both_checked)
+    found, errors = [], []
+
+    def rank() -> None:
+        try:
+            found.append(recover_export_best(tmp_path))
+        except Exception as err:  # what each "rank" ended with is what the test compares
+            errors.append(err)
+
+    ranks = [threading.Thread(target=rank) for _ in range(2)]
+    for thread in ranks:
+        thread.start()
+    for thread in ranks:
+        thread.join(timeout=20)
+    assert errors == [] and found == [tmp_path / "export-best"] * 2
+    assert (tmp_path / "export-best" / "eval.json").is_file() and not old.exists()

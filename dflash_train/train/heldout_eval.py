@@ -403,10 +403,15 @@ def previous_best_tau(run) -> float:
 
 
 def recover_export_best(output_dir: Path) -> Path:
-    """``export-best``, moved back from its ``.old`` copy if a writer died between the two renames."""
+    """``export-best``, moved back from its ``.old`` copy if a writer died between the two renames.
+    Every rank of a run may find it so at once: the ranks that lose the race find it moved back."""
     best, old = output_dir / BEST_DIR, output_dir / f".{BEST_DIR}.old"
     if not best.exists() and old.exists():
-        old.rename(best)
+        try:
+            old.rename(best)
+        except FileNotFoundError:
+            if not best.exists():  # not another rank's rename: gone for another reason
+                raise
     return best
 
 
