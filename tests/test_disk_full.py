@@ -231,3 +231,48 @@ def test_an_error_while_a_save_is_in_flight_is_not_replaced_by_that_saves_failur
         train(cfg, TrainHooks(after_backward=nan_at_step_5))
     assert "the save of step 4 in flight failed too: OSError: " in capsys.readouterr().out
     assert ckpt.latest_checkpoint(tmp_path / "run") is None
+
+
+def probe_fails_worker(rank: int, port: int, task: dict, out: str, where: str) -> None:
+    """Rank 0's probes of the disk fail (a stale file handle of a network file system): its check of
+    the space before the first save (``where="warning"``), or the sizes and free space that describe
+    rank 0's own failed staging of step 8 (``where="description"``); every rank writes how it ended."""
+    become_rank(rank, 2, port)
+
+    def stale_handle(*args, **kwargs):
+        raise OSError(errno.ESTALE, "Stale file handle")
+
+    if rank == 0 and where == "warning":
+        space.space_warning = stale_handle
+    if rank == 0 and where == "description":
+        space.free_bytes = stale_handle
+        real = ckpt._storage_writer
+
+        def writer(path):
+            if f"step-{FAILED_STEP:08d}" in str(path):
+                raise PermissionError(13, "Permission denied", str(path))
+            return real(path)
+
+        ckpt._storage_writer = writer
+    overrides = ("train.parallel=ddp", "checkpoint.async_write=false", "train.dist_timeout_s=20")
+    train_and_record(rank, task, out, *overrides)
+
+
+@pytest.mark.parametrize("where", ["warning", "description"])
+def test_a_failing_probe_of_the_disk_on_one_rank_does_not_stop_it_alone(task, tmp_path, where):
+    """The space check before a save and the description of a failed save probe the disk outside the
+    save's votes: their OSError stopped rank 0 alone, and rank 1 waited for it in the next vote (on
+    NCCL until train.dist_timeout_s). Now a failed check is a warning and the run trains on; a failed
+    description still stops both ranks with the save's one line, saying it could not be described."""
+    out = tmp_path / "run"
+    out.mkdir()
+    spawn_ranks(probe_fails_worker, (free_port(), task, str(out), where), nprocs=2, timeout_s=120)
+    outcomes = rank_outcomes(out)
+    if where == "warning":
+        assert outcomes == ["trained 12 steps"] * 2, outcomes
+        return
+    assert outcomes[0] == outcomes[1], outcomes
+    assert outcomes[0].startswith(
+        "CheckpointWriteError: checkpoint of step 8 not saved: on rank 0: PermissionError: "
+    ), outcomes[0]
+    assert "describing it failed too (OSError: [Errno 116] Stale file handle)" in outcomes[0]

@@ -111,14 +111,13 @@ def failure_message(run: Run, error: BaseException | None, step: int) -> str:
     """Every rank, once a phase of the save of ``step`` failed: the message of the first rank whose
     part failed (``error``: this rank's, None where it succeeded), naming that rank when there are
     several, so every rank stops with the same line."""
-    num_params = sum(p.numel() for p in unwrap(run.model).parameters())
     message = None
     if error is not None:
-        cause = space.failure_cause(run.cfg.output_dir, step, error, num_params)
+        where = ""
         if run.info.distributed:
             ranks = space.failed_ranks(error, run.info.rank)
-            cause = f"on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {cause}"
-        message = space.describe_failure(run.cfg.output_dir, step, cause, num_params)
+            where = f"on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: "
+        message = describe_save_failure(run, error, step, where)
     if not run.info.distributed:
         return message
     found: list[str | None] = [None] * dist.get_world_size(run.group)
@@ -126,12 +125,36 @@ def failure_message(run: Run, error: BaseException | None, step: int) -> str:
     return next(m for m in found if m is not None)
 
 
+def describe_save_failure(run: Run, error: BaseException, step: int, where: str) -> str:
+    """``checkpoint_space.describe_failure`` of this rank's ``error``; its probes of the disk (sizes,
+    free space, the newest checkpoint) can fail on the storage that failed the save, and then the
+    line says so instead of this rank raising alone before the other ranks' vote."""
+    num_params = sum(p.numel() for p in unwrap(run.model).parameters())
+    try:
+        cause = space.failure_cause(run.cfg.output_dir, step, error, num_params)
+        return space.describe_failure(run.cfg.output_dir, step, where + cause, num_params)
+    except OSError as probe:
+        return (
+            f"checkpoint of step {step} not saved: {where}{type(error).__name__}: {error}; describing it "
+            f"failed too ({type(probe).__name__}: {probe}); checkpoint.resume: auto continues from the newest "
+            f"committed checkpoint in {run.cfg.output_dir}"
+        )
+
+
 def warn_if_no_space(run: Run) -> None:
-    """Rank 0, once per run: warn when the checkpoint about to be written would not fit."""
+    """Rank 0, once per run: warn when the checkpoint about to be written would not fit (or that its
+    space could not be checked: a probe of the disk failing is no reason to stop rank 0 alone, before
+    the save's votes, which stop every rank if the write itself fails)."""
     if not run.info.is_main or run.writer.warned_space:
         return
     num_params = sum(p.numel() for p in unwrap(run.model).parameters())
-    warning = space.space_warning(run.cfg.output_dir, run.step, num_params)
+    try:
+        warning = space.space_warning(run.cfg.output_dir, run.step, num_params)
+    except OSError as err:
+        warning = (
+            f"checking the space for the checkpoint of step {run.step} in {run.cfg.output_dir} failed: "
+            f"{type(err).__name__}: {err}"
+        )
     if warning is not None:
         run.writer.warned_space = True
         warnings.warn(warning, stacklevel=2)
