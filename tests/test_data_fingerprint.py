@@ -49,7 +49,31 @@ def test_a_checkpoint_records_each_data_file(own_data, four_steps):
     data = Path(own_data["data"])
     assert record["path"] == str(data) and record["size"] == data.stat().st_size
     assert record["rows"] == 48 and record["hashed"] == "whole file"
-    assert record == file_fingerprint(str(data), rows=48)
+    assert record == {**file_fingerprint(str(data), rows=48), "lengths": record["lengths"]}
+    assert len(record["lengths"]) == 16  # a hash of the rows' lengths in tokens
+
+
+def test_a_resume_on_the_same_file_tokenized_to_other_lengths_is_refused(own_data, tmp_path):
+    """The target's chat template changed between two sittings: the file is the same, but every row
+    is one token longer, and the epoch plan (rows grouped by length) would put other rows at the
+    saved position under the same steps per epoch. Only the file was fingerprinted, so it resumed."""
+    target = tmp_path / "target"
+    shutil.copytree(own_data["target"], target)
+    task = {**own_data, "target": str(target)}
+    out = tmp_path / "run"
+    train(tiny_config(task, out, "train.steps_per_process=4"))
+    template = target / "chat_template.jinja"
+    text = template.read_text()
+    user_turn = "'<|im_start|>' + message['role']"
+    assert text.count(user_turn) == 1
+    template.write_text(text.replace(user_turn, "'<|im_start|><|im_start|>' + message['role']"))
+    with pytest.raises(ValueError) as refused:
+        train(tiny_config(task, out, "train.steps_per_process=4"))
+    assert str(refused.value).startswith(
+        f"refusing to resume: data file {own_data['data']} changed since the checkpoint: the same rows "
+        "tokenized to other lengths (the target's tokenizer or chat template"
+    ), refused.value
+    assert ckpt.latest_checkpoint(out).name == "step-00000004"  # nothing trained
 
 
 def test_a_resume_on_a_changed_file_is_refused_naming_it(own_data, four_steps):

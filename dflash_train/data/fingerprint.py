@@ -11,7 +11,10 @@ steps. The fingerprint is what a resume compares (``train/resume_check.py``):
   ``EDGE_BYTES`` and its size (``hashed`` says which): two small reads whatever the file's size, so a
   100K-row file costs milliseconds, and an edit of the first or last rows, an append or a truncation
   is caught. An edit in the middle of a large file that keeps its size and its kept row count is not.
-- A dataset that is not a local file (a hub name) is fingerprinted by its rows only.
+- ``lengths``, a hash of the file's row lengths in tokens, in order: the epoch plan groups rows by
+  length, so the same rows tokenized otherwise (the target's tokenizer or chat template, or
+  ``data.format`` / ``data.thinking``, changed under the same paths) would also move the position.
+- A dataset that is not a local file (a hub name) is fingerprinted by its rows and lengths only.
 
 Files are compared in order, not by path: the same contents under another path (data moved) match.
 """
@@ -50,8 +53,20 @@ def file_fingerprint(path: str, rows: int) -> dict[str, Any]:
 
 def data_fingerprint(tokenized) -> list[dict[str, Any]]:
     """The fingerprint of every file of a ``TokenizedData``, in its file order."""
-    rows = np.bincount(np.asarray(tokenized.origins)[:, 0], minlength=len(tokenized.files))
-    return [file_fingerprint(path, int(n)) for path, n in zip(tokenized.files, rows, strict=True)]
+    file_of_row = np.asarray(tokenized.origins)[:, 0]
+    rows = np.bincount(file_of_row, minlength=len(tokenized.files))
+    # each file's row lengths in row order (rows are stored file by file, but sort to be sure)
+    by_file = np.split(
+        np.asarray(tokenized.lengths)[np.argsort(file_of_row, kind="stable")], np.cumsum(rows)[:-1]
+    )
+    return [
+        {**file_fingerprint(path, int(n)), "lengths": lengths_digest(lengths)}
+        for path, n, lengths in zip(tokenized.files, rows, by_file, strict=True)
+    ]
+
+
+def lengths_digest(lengths: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(lengths, dtype=np.int64).tobytes()).hexdigest()[:16]
 
 
 def fingerprint_changes(
@@ -81,6 +96,12 @@ def fingerprint_changes(
             what.append(f"hashed as {old['hashed']!r} {reference_name}, {new['hashed']!r} {current_name}")
         elif old["sha256"] != new["sha256"]:
             what.append(f"contents (sha256 of the {new['hashed']}) differ")
+        lengths = old.get("lengths"), new.get("lengths")  # None: a checkpoint from before lengths
+        if not what and None not in lengths and lengths[0] != lengths[1]:
+            what.append(
+                "the same rows tokenized to other lengths (the target's tokenizer or chat template, "
+                "data.format or data.thinking changed)"
+            )
         if what:
             moved = f" ({reference_name}: {old['path']})" if old["path"] != new["path"] else ""
             differences.append(f"data file {new['path']}{moved} {changed}: {', '.join(what)}")

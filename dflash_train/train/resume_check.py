@@ -189,7 +189,7 @@ def check_data_files(
         return
     raise ValueError(
         f"refusing to resume: {'; '.join(changes)}. The saved data position (epoch, batch) would now "
-        "pick other rows: some seen twice, some never. Restore the file, start a new output_dir "
+        "pick other rows: some seen twice, some never. Restore the file (or the tokenizer), start a new output_dir "
         "(drafter.init_from=<an export> starts from its weights), or resume on the changed data with "
         "checkpoint.allow_data_change=true."
     )
