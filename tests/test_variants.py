@@ -236,7 +236,12 @@ def test_a_block_stops_early_as_llama_cpp_stops_it_or_the_stop_is_refused(fitted
             features = torch.cat([hidden, drafter.markov_head.markov_w1.weight[previous]], dim=-1)
             confidence = torch.sigmoid(features @ head.weight[0] + head.bias[0])
         anchors_of.append((chain, confidence))
-    p_min = torch.cat([c.flatten() for _, c in anchors_of]).median().item()
+    # A threshold midway between the two middle confidences: at one of them (the median) a value
+    # equal to the threshold was cut or kept by the draft's own rounding, not by the rule.
+    ordered = torch.cat([c.flatten() for _, c in anchors_of]).sort().values
+    middle = ordered.numel() // 2
+    assert ordered[middle] - ordered[middle - 1] > 1e-5  # clear of either path's rounding
+    p_min = ((ordered[middle - 1] + ordered[middle]) / 2).item()
     try:
         drafter.set_draft_p_min(p_min)
         tables = draft_all(
