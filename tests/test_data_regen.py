@@ -409,3 +409,33 @@ def test_compile_decode_refuses_an_unknown_choice(tmp_path):
         build_parser().parse_args(
             ["regen", "--target", "t", "--data", "d", "--output", "o", "--compile-decode", "yes"]
         )
+
+
+@pytest.mark.parametrize(
+    "changed", [{"temperature": 0.7}, {"max_new_tokens": 8}, {"seed": 1}, {"thinking": "off"}]
+)
+def test_a_rerun_with_other_settings_is_refused_not_mixed_into_the_output(
+    tiny_hybrid_dir, chat_file, tmp_path, changed
+):
+    """The rerun only skipped the keys already written: another sampling, length or seed appended its
+    rows to the first run's, and training read labels of two settings as one."""
+    output = tmp_path / "regen.jsonl"
+    run_regen(regen_args(tiny_hybrid_dir, chat_file, output, max_rows=2))
+    before = output.read_text()
+    ((key, value),) = changed.items()
+    with pytest.raises(ValueError, match=rf"regen.jsonl:1 was regenerated with other settings .*'{key}'"):
+        run_regen(regen_args(tiny_hybrid_dir, chat_file, output, **changed))
+    assert output.read_text() == before
+
+
+def test_a_rerun_over_a_folder_that_holds_the_output_does_not_read_it_back(tiny_hybrid_dir, tmp_path):
+    """``--data data/ --output data/regen.jsonl``: the first run listed the folder before its output
+    existed; every rerun read the output (and the failed-rows file) as input and regenerated it again."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "chat.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS[:3]))
+    output = data / "regen.jsonl"
+    assert run_regen(regen_args(tiny_hybrid_dir, data, output))["rows_done"] == 3
+    again = run_regen(regen_args(tiny_hybrid_dir, data, output))
+    assert again["rows_done"] == 0 and again["rows_skipped"] == 3
+    assert len(read_jsonl(output)) == 3

@@ -13,8 +13,10 @@ hash of the source messages), and each generated assistant message the ``token_i
 generated with the ``prompt_token_ids`` it was given (a later reply: what its prompt adds to the
 previous reply's, ``data.stored_prompts``), which training reads instead of re-tokenizing the text
 (``data.stored_ids``; the endpoint engine returns text only, so its rows store none). The
-output is appended to and flushed per batch, so an interrupted run resumes: rows whose key is already in the output are skipped, and a partially written last line
-is cut off first.
+output is appended to and flushed per batch, so an interrupted run resumes: rows whose key is already
+in the output are skipped, and a partially written last line is cut off first; a rerun with other
+settings than the output's rows record (``SETTINGS``) is refused, and the output and its failed-rows
+file are never read back as input.
 
 Engines: ``transformers`` (in process, what ``--engine auto`` runs: ``generate.engine``'s continuous
 batching over ``--batch-size`` slots, CUDA graphs on GPU), ``vllm`` (offline, with ``--engine vllm``) and ``endpoint`` (any OpenAI-compatible server, ``data.endpoint``;
@@ -59,9 +61,10 @@ def run_regen(opts: RegenOptions) -> dict[str, Any]:
     from tqdm import tqdm
 
     output = Path(opts.output)
-    done = read_done_keys(output)
+    done = read_done_keys(output, regen_settings(opts))
+    failed_path = Path(str(output).removesuffix(".jsonl") + ".failed.jsonl")
     skips = SkipCounts(max_bad_rows=opts.max_bad_rows)
-    rows = iter_chat_rows(expand_paths(list(opts.data)), skips, require_assistant=False)
+    rows = iter_chat_rows(input_files(opts, output, failed_path), skips, require_assistant=False)
     if opts.max_rows:
         rows = islice(rows, opts.max_rows)
     todo, num_skipped = [], 0
@@ -77,7 +80,6 @@ def run_regen(opts: RegenOptions) -> dict[str, Any]:
     counts["rows_with_token_ids"] = 0
     mismatches: list[str] = []
     output.parent.mkdir(parents=True, exist_ok=True)
-    failed_path = Path(str(output).removesuffix(".jsonl") + ".failed.jsonl")
     t0 = time.perf_counter()
     with open(output, "a", encoding="utf-8") as out, open(failed_path, "w", encoding="utf-8") as failed:
         # In process, a call holds several rows per slot so that finished rows' slots get refilled.
@@ -157,9 +159,34 @@ def write_results(
 
 # ----------------------------------------------------------------------------- resume
 
+# What a row's replies depend on besides its prompt, recorded in every row's ``regen`` meta: a rerun
+# that continues an output must use the same (rows written before max_new_tokens and seed were
+# recorded are checked on the rest).
+SETTINGS = ("target", "temperature", "top_p", "thinking", "max_new_tokens", "seed")
 
-def read_done_keys(output: Path) -> set[str]:
-    """Keys of rows already in ``output``; a torn last line (crash mid-write) is cut off."""
+
+def regen_settings(opts: RegenOptions) -> dict[str, Any]:
+    return {key: getattr(opts, key) for key in SETTINGS}
+
+
+def input_files(opts: RegenOptions, output: Path, failed_path: Path) -> list[str]:
+    """``--data`` expanded, less this run's own output and failed-rows file: a folder or glob that
+    holds them (``--data data/ --output data/regen.jsonl``) would read every rerun's output back as
+    input and regenerate it again."""
+    own = {output.resolve(), failed_path.resolve()}
+    files = []
+    for path in expand_paths(list(opts.data)):
+        if Path(path).resolve() in own:
+            print(f"regen: not reading {path} as input: it is this run's output", file=sys.stderr)
+        else:
+            files.append(path)
+    return files
+
+
+def read_done_keys(output: Path, settings: dict[str, Any]) -> set[str]:
+    """Keys of rows already in ``output``, each made with ``settings`` (else a ``ValueError``: the
+    output would mix replies of two targets or samplings); a torn last line (crash mid-write) is cut
+    off."""
     if not output.is_file():
         return set()
     data = output.read_bytes()
@@ -172,12 +199,19 @@ def read_done_keys(output: Path) -> set[str]:
     keys = set()
     for line_no, line in enumerate(data.decode("utf-8").splitlines(), start=1):
         try:
-            keys.add(json.loads(line)["regen"]["key"])
+            meta = json.loads(line)["regen"]
+            keys.add(meta["key"])
         except (json.JSONDecodeError, KeyError, TypeError) as err:
             raise ValueError(
                 f"{output}:{line_no}: not a regen output row ({type(err).__name__}); "
                 "use a new --output file or remove the line"
             ) from err
+        changed = {k: (meta[k], v) for k, v in settings.items() if k in meta and meta[k] != v}
+        if changed:
+            raise ValueError(
+                f"{output}:{line_no} was regenerated with other settings ({changed}, as (then, now)): "
+                "rerun with the same settings to continue it, or use a new --output"
+            )
     return keys
 
 
@@ -210,6 +244,8 @@ def output_row(
         "temperature": opts.temperature,
         "top_p": opts.top_p,
         "thinking": opts.thinking,
+        "max_new_tokens": opts.max_new_tokens,
+        "seed": opts.seed,
         "finished": finished,  # False where the reply hit --max-new-tokens
     }
     if round_trip is not None:  # per turn: the stored text re-tokenizes to the generated ids
