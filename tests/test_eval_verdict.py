@@ -375,3 +375,33 @@ def test_exact_mode_reports_hybrid_ddtree_and_skips_only_its_real_decoding(tiny_
     assert "DDTree is not decoded for real on GatedDeltaNet targets" in captured.err
     assert main([*args, "--tau-mode", "decode"]) == 1  # real tree decoding still refuses hybrids, clearly
     assert "not supported for GatedDeltaNet targets" in capsys.readouterr().err
+
+
+def test_a_row_the_chat_template_cannot_render_is_a_counted_skip_with_its_line(tiny_qwen3_dir, tmp_path):
+    """Jinja raises more than TemplateError: a template concatenating a field of another type (here a
+    tool call's name given as a number) raised a bare TypeError, with no file or line and no skip."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_qwen3_dir)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m.tool_calls %}{{ '<tool>' + m.tool_calls[0].function.name }}"
+        "{% endif %}{{ m.role + ': ' + m.content + '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+    )
+    tool_call = {"type": "function", "function": {"name": 5, "arguments": "{}"}}
+    path = tmp_path / "p.jsonl"
+    write_rows(
+        path,
+        [
+            {"prompt": "hello"},
+            {
+                "messages": [
+                    {"role": "user", "content": "call it"},
+                    {"role": "assistant", "content": "", "tool_calls": [tool_call]},
+                    {"role": "user", "content": "and now?"},
+                ]
+            },
+        ],
+    )
+    with pytest.raises(ValueError, match=r"p\.jsonl:2: bad prompt row \(template_error\).*TypeError"):
+        load_prompt_file(path, tokenizer)
+    loaded = load_prompt_file(path, tokenizer, bad_rows=BadPromptRows(max_bad_rows=1))
+    assert len(loaded.prompts) == 1 and loaded.skipped == {"template_error": 1}

@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from jinja2.exceptions import TemplateError
-
 
 @dataclass
 class PromptFile:
@@ -144,8 +142,10 @@ def encode_prompt(tokenizer, row: dict[str, Any], thinking: bool | None, where: 
     kwargs = {} if thinking is None else {"enable_thinking": thinking}
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
-    except TemplateError as err:  # the template's own raise_exception(), e.g. roles out of order
-        raise PromptRowError("template_error", f"the chat template refused the row: {err}", where) from None
+    except Exception as err:  # the template is user code: its raise_exception() or any jinja/type error
+        raise PromptRowError(
+            "template_error", f"the chat template refused the row: {type(err).__name__}: {err}", where
+        ) from None
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if not ids:
         raise PromptRowError("empty_prompt", "the prompt renders to no tokens", where)
