@@ -257,7 +257,7 @@ def test_a_continuation_that_ends_early_at_eos_drafts_only_inside_itself(setup, 
 # Hand-built continuations and drafts whose numbers are worked out in the comments: prompt [100]
 # (a token the continuations never use), block 4 (3 drafts per round), n = 3, no EOS.
 
-WRONG = -1  # a draft token no continuation contains
+WRONG = 1_000_000  # a draft token no continuation contains (not -1: NO_DRAFT, a slot left empty)
 PERIOD = list(range(1, 9))  # 1..8: no token repeats inside a period
 
 

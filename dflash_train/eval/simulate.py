@@ -31,6 +31,7 @@ import torch
 from dflash_train.eval.ddtree import build_tree
 from dflash_train.eval.ngram_simple import NgramSimpleIndex
 from dflash_train.eval.speculative import Generation
+from dflash_train.models.variant import drafted_tokens
 
 # out -> the B-1 draft tokens of the round that starts with ``out`` tokens emitted.
 DraftFn = Callable[[int], Sequence[int]]
@@ -92,8 +93,8 @@ def simulate_chain(
     """Chain speculative decoding of one request, from the drafts each round would propose."""
 
     def accept(out: int, max_drafts: int) -> tuple[int, int]:
-        draft = list(drafts_at(out))[:max_drafts]
-        return max_drafts, matched_prefix(draft, continuation, out, eos_token_ids)
+        draft = drafted_tokens(list(drafts_at(out))[:max_drafts])  # a block stopped early drafts fewer
+        return len(draft), matched_prefix(draft, continuation, out, eos_token_ids)
 
     return _rounds(continuation, max_new_tokens, eos_token_ids, block_size, accept)
 
@@ -211,7 +212,7 @@ def simulate_ngram_then_dflash(
     index = NgramSimpleIndex([*prompt, *continuation], key_size, max_draft)
 
     def accept(out: int, max_drafts: int) -> tuple[int, int]:
-        draft = index.draft(len(prompt) + out) or list(drafts_at(out))[: block_size - 1]
+        draft = index.draft(len(prompt) + out) or drafted_tokens(list(drafts_at(out))[: block_size - 1])
         draft = draft[:max_drafts]
         return len(draft), matched_prefix(draft, continuation, out, eos_token_ids)
 
