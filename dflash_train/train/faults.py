@@ -194,12 +194,13 @@ def failing_together(group, describe: Callable[[int, str], str]) -> Iterator[Non
     """Work each rank of ``group`` does alone before the ranks next meet (building its target,
     drafter or optimizer): its error goes into ``raise_if_any_rank_failed``, so every rank raises the
     same line at once instead of the others waiting for the failed rank in their next collective
-    (until ``train.dist_timeout_s`` on NCCL). Without a process group the error is raised as it is."""
+    (until ``train.dist_timeout_s`` on NCCL). Alone (no process group, or a group of one) the error is
+    raised as it is."""
     error = None
     try:
         yield
     except Exception as err:  # recovery boundary: the vote below raises it on every rank
-        if not (dist.is_available() and dist.is_initialized()):
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
             raise
         error = err
     raise_if_any_rank_failed(error, group, describe)
