@@ -307,3 +307,20 @@ def test_two_turn_synth_runs_on_captured_graphs(chatty_dir, tmp_path):
     result = run_synth(SynthOptions(**{**opts.__dict__, **overrides}))
     assert result["rows"] > 0 and "single" in result["heldout_files"]
     assert result["tasks"]["chat"]["samples_drawn"] > 0
+
+
+def test_a_heldout_file_that_is_the_output_is_refused_before_anything_is_written(chatty_dir, tmp_path):
+    """--heldout-dir naming the output's folder, with a task named like the output's stem, made that
+    task's held-out file the training output itself: held-out prompts became training rows."""
+    out = tmp_path / "explain.jsonl"
+    with pytest.raises(ValueError, match=r"task 'explain''s held-out file is the --output file"):
+        run_synth(
+            options(
+                chatty_dir,
+                out,
+                task_file=write_tasks(tmp_path),
+                heldout_per_task=1,
+                heldout_dir=str(tmp_path),
+            )
+        )
+    assert not out.exists()

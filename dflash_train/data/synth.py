@@ -451,7 +451,14 @@ def heldout_files(opts: SynthOptions, names: list[str]) -> dict[str, Path]:
     if not opts.heldout_per_task:
         return {}
     directory = Path(opts.heldout_dir) if opts.heldout_dir else default_heldout_dir(opts.output)
-    return {name: heldout_path(directory, name) for name in names}
+    files = {name: heldout_path(directory, name) for name in names}
+    for name, path in files.items():
+        if path.resolve() == Path(opts.output).resolve():  # held-out rows would be training rows
+            raise ValueError(
+                f"--heldout-dir {directory}: task {name!r}'s held-out file is the --output file {opts.output}; "
+                f"give another --heldout-dir (the default is {default_heldout_dir(opts.output)}) or another --output"
+            )
+    return files
 
 
 def settings(opts: SynthOptions, tasks: list[SynthTask]) -> dict[str, Any]:
