@@ -239,13 +239,8 @@ def output_row(
         "key": row_key(row),
         "source": row.source,
         "line": row.line,
-        "target": opts.target,
+        **regen_settings(opts),  # what a rerun that continues the output must match
         "engine": engine,
-        "temperature": opts.temperature,
-        "top_p": opts.top_p,
-        "thinking": opts.thinking,
-        "max_new_tokens": opts.max_new_tokens,
-        "seed": opts.seed,
         "finished": finished,  # False where the reply hit --max-new-tokens
     }
     if round_trip is not None:  # per turn: the stored text re-tokenizes to the generated ids

@@ -28,9 +28,15 @@ def build_target(cfg: RunConfig, info: DistInfo):
 def build_drafter(cfg: RunConfig, target, info: DistInfo):
     """``new_drafter``, wrapped for data parallelism over every rank."""
     draft_config, drafter = new_drafter(cfg, target, info)
-    model = wrap_drafter(drafter, cfg.train.parallel, DTYPES[cfg.train.dtype], info)
+    return draft_config, wrap_for_training(cfg, drafter, info)
+
+
+def wrap_for_training(cfg: RunConfig, drafter: nn.Module, info: DistInfo, group=None) -> nn.Module:
+    """``wrap_drafter`` with the recipe's strategy and dtype over ``group`` (default: every rank), and
+    the one line saying which attention backend trains it (``announce_backend``)."""
+    model = wrap_drafter(drafter, cfg.train.parallel, DTYPES[cfg.train.dtype], info, group=group)
     announce_backend(cfg, info)
-    return draft_config, model
+    return model
 
 
 def new_drafter(cfg: RunConfig, target, info: DistInfo):

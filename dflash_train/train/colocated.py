@@ -16,29 +16,22 @@ from typing import Any
 import torch
 
 from dflash_train.config import RunConfig
-from dflash_train.models.dtypes import DTYPES
 from dflash_train.train import checkpoint as ckpt
 from dflash_train.train.builders import (
-    announce_backend,
     build_data,
     build_optimizer,
     build_scheduler,
     build_target,
     new_drafter,
     seed_everything,
+    wrap_for_training,
 )
 from dflash_train.train.faults import GracefulStop, Watchdog, failing_together, report_deferred_stop
 from dflash_train.train.heldout_eval import build_heldout_eval
 from dflash_train.train.heldout_eval import evaluate as evaluate_heldout
 from dflash_train.train.logging import MetricsLogger, log_main
 from dflash_train.train.loss import add_metrics
-from dflash_train.train.parallel import (
-    DistInfo,
-    init_distributed,
-    unwrap,
-    use_expandable_segments,
-    wrap_drafter,
-)
+from dflash_train.train.parallel import DistInfo, init_distributed, unwrap, use_expandable_segments
 from dflash_train.train.run import (
     Run,
     TrainHooks,
@@ -212,8 +205,7 @@ def build_run(cfg: RunConfig, info: DistInfo) -> Run:
     with failing_together(None, startup_failure):
         target = build_target(cfg, info)
         draft_config, drafter = new_drafter(cfg, target, info)
-    model = wrap_drafter(drafter, cfg.train.parallel, DTYPES[cfg.train.dtype], info)
-    announce_backend(cfg, info)
+    model = wrap_for_training(cfg, drafter, info)  # a collective: every rank got here
     with failing_together(None, startup_failure):
         optimizer = build_optimizer(model, cfg, info)
     data = build_data(cfg, target, info)

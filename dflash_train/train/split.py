@@ -43,13 +43,13 @@ import torch.distributed as dist
 
 from dflash_train.config import RunConfig
 from dflash_train.data.batching import Batch
-from dflash_train.models.dtypes import DTYPES, resolve_dtype
+from dflash_train.models.dtypes import resolve_dtype
 from dflash_train.train import builders
 from dflash_train.train import checkpoint as ckpt
 from dflash_train.train.faults import GracefulStop, Watchdog, any_rank_flags, report_deferred_stop
 from dflash_train.train.logging import log_main, set_main_rank
 from dflash_train.train.loss import add_metrics
-from dflash_train.train.parallel import DistInfo, init_distributed, use_expandable_segments, wrap_drafter
+from dflash_train.train.parallel import DistInfo, init_distributed, use_expandable_segments
 from dflash_train.train.run import (
     NonFiniteError,
     Run,
@@ -397,8 +397,7 @@ def new_drafter_run(
         device=info.device,
     )
     draft_config, drafter = builders.new_drafter(cfg, head, local)
-    model = wrap_drafter(drafter, cfg.train.parallel, DTYPES[cfg.train.dtype], local, group=group)
-    builders.announce_backend(cfg, local)
+    model = builders.wrap_for_training(cfg, drafter, local, group=group)
     optimizer = builders.build_optimizer(model, cfg, local)
     data = StreamPosition(
         shared["steps_per_epoch"],

@@ -367,7 +367,7 @@ def position_mismatch(
 def starting_up_together(layout: SplitLayout):
     """A part of the start-up only this rank's role does: its error is carried into the all-ranks
     vote of ``share_startup_outcome`` (``faults.failing_together``) instead of raised before it."""
-    return failing_together(None, lambda rank, message: startup_failure(layout, rank, message))
+    return failing_together(None, functools.partial(startup_failure, layout))
 
 
 def share_startup_outcome(layout: SplitLayout, error: BaseException | None) -> None:
@@ -376,7 +376,7 @@ def share_startup_outcome(layout: SplitLayout, error: BaseException | None) -> N
     failure every rank raises the same one-line ``RuntimeError`` naming the first failed rank, at
     once, instead of the other role waiting for it in its next collective (until
     ``train.dist_timeout_s`` on NCCL; gloo reports the failed rank's closed connection instead)."""
-    raise_if_any_rank_failed(error, None, lambda rank, message: startup_failure(layout, rank, message))
+    raise_if_any_rank_failed(error, None, functools.partial(startup_failure, layout))
 
 
 def startup_failure(layout: SplitLayout, rank: int, message: str) -> str:
