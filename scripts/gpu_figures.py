@@ -98,7 +98,7 @@ REAL_SHAPES = {
     "lengths": ["--preset", "qwen3.6-27b", "--steps", "30", "--warmup", "2"],
     "generation": [
         "--preset", "smollm2-135m", "--num-prompts", "1024", "--batch-sizes", "1024", "--max-new-tokens", "256",
-        "--engines", "slots-compiled,slots-flex-compiled", "--sampler-shapes", "1024x49152,64x248320",
+        "--engines", "slots-grouped-compiled,slots-flex-compiled", "--sampler-shapes", "1024x49152,64x248320",
         "--attention-shapes", "1024x256,1024x512,1024x1024,256x2048",
     ],
 }  # fmt: skip

@@ -87,3 +87,24 @@ def test_attention_shapes_are_buckets(capsys):
     code = main(["bench", "generation", "--preset", "tiny-qwen3", "--attention-shapes", "1024x300"])
     assert code != 0
     assert "KV is a multiple of 256" in capsys.readouterr().err
+
+
+def test_engine_names_pin_the_attention_and_the_compilation_they_name():
+    """A name that names an attention or a compilation pins it; the rest take the engine's defaults
+    (on CUDA flex and compiled, so ``slots-compiled`` alone no longer says which attention ran)."""
+    from dflash_train.bench.generation import GenerationBenchOptions, make_engine
+    from dflash_train.tiny import build_tiny_target
+
+    model = build_tiny_target("qwen3", vocab_size=64, seed=1)
+    options = GenerationBenchOptions(preset="tiny-qwen3")
+    expected = {
+        "slots": ("grouped", False),  # the CPU's defaults
+        "slots-compiled": ("grouped", True),
+        "slots-uncompiled": ("grouped", False),
+        "slots-flex": ("flex", False),
+        "slots-flex-compiled": ("flex", True),
+        "slots-grouped-compiled": ("grouped", True),
+    }
+    for name, (attention, compiled) in expected.items():
+        engine = make_engine(name, model, 2, options)
+        assert (engine.decode_attention, engine.compile_decode) == (attention, compiled), name

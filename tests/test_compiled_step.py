@@ -83,7 +83,7 @@ def test_the_compiled_step_compiles_once_per_sampling_setting(monkeypatch, backe
     torch._dynamo.reset()  # no compiled entry of an earlier test serves these calls
     model = sharpen(build_tiny_target("qwen3", vocab_size=64, seed=1))
     compiled = SlotEngine(model, num_slots=3, kv_bucket=8, compile_decode=True, decode_attention=attention)
-    eager = SlotEngine(model, num_slots=3, kv_bucket=8, compile_decode=False)
+    eager = SlotEngine(model, num_slots=3, kv_bucket=8, compile_decode=False, decode_attention=attention)
     # a count that grows with the calls (a bucket, a limit or a growth compiling again) fails here
     assert compiles_over(calls, compiled, eager) == one_per_setting(calls)
     assert compiled.step_body.compile_seconds > 0
@@ -99,7 +99,14 @@ def test_the_graphed_compiled_step_compiles_once_per_sampling_setting_on_cuda(at
     compiled = SlotEngine(
         model, num_slots=3, kv_bucket=8, compile_decode=True, use_cuda_graphs=True, decode_attention=attention
     )
-    eager = SlotEngine(model, num_slots=3, kv_bucket=8, compile_decode=False, use_cuda_graphs=False)
+    eager = SlotEngine(
+        model,
+        num_slots=3,
+        kv_bucket=8,
+        compile_decode=False,
+        use_cuda_graphs=False,
+        decode_attention=attention,
+    )
     assert compiles_over(CALLS, compiled, eager) == one_per_setting(CALLS)
     # The compiled code ran inside captured graphs, captured again after the calls' growths dropped
     # them: more captures than compilations. (Not more than calls: flex attends the whole capacity,

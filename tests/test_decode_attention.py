@@ -238,3 +238,18 @@ def test_compiled_flex_in_bf16_is_close_to_the_reference(kv_heads, groups, dim):
     got, _ = slot_decode_attention(Heads(), query.bfloat16(), key.bfloat16(), value.bfloat16(), mask)
     torch.cuda.synchronize()
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_defaults_follow_where_the_step_compiles():
+    """flex and a compiled step on CUDA for attention-only targets (measured the faster there), the
+    eager grouped step for hybrid targets and on CPU."""
+    from dflash_train.generate.compiled_step import default_compile_decode
+    from dflash_train.generate.decode_attention import default_decode_attention
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert default_decode_attention(cuda, hybrid=False) == "flex"
+    assert default_compile_decode(cuda, hybrid=False)
+    assert default_decode_attention(cuda, hybrid=True) == "grouped"
+    assert not default_compile_decode(cuda, hybrid=True)
+    assert default_decode_attention(cpu, hybrid=False) == "grouped"
+    assert not default_compile_decode(cpu, hybrid=False)

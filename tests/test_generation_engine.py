@@ -226,7 +226,8 @@ def test_cuda_graphs_replay_exactly_what_eager_steps_compute(kind, decode_attent
     model = sharpen(build_tiny_target(kind, vocab_size=64, seed=1)).cuda()
     prompts = mixed_prompts(64, num_rows=24, seed=3)
     stops = stop_ids_for(model, prompts)
-    options = {"num_slots": 5, "kv_bucket": 16, "decode_attention": decode_attention}
+    options = {"num_slots": 5, "kv_bucket": 16, "decode_attention": decode_attention, "compile_decode": False}
+    # the eager step's graphs: the compiled step's are tests/test_compiled_step.py's
     graphed = SlotEngine(model, use_cuda_graphs=True, **options)
     eager = SlotEngine(model, use_cuda_graphs=False, **options)
     for sampling in (GREEDY, SAMPLED, GREEDY, SAMPLED):

@@ -139,7 +139,8 @@ def test_real_graphs_survive_calls_that_grow_the_engines_buffers(kind, decode_at
     """bf16 on CUDA (the dtype that crashed): every call of the growing sequence completes, twice over,
     and greedy calls equal the padded engine's tokens up to ties (compared on the eager engine)."""
     model = sharpen(build_tiny_target(kind, vocab_size=64, seed=1)).cuda().bfloat16()
-    options = {"num_slots": 3, "kv_bucket": 16, "decode_attention": decode_attention}
+    options = {"num_slots": 3, "kv_bucket": 16, "decode_attention": decode_attention, "compile_decode": False}
+    # the eager step's graphs: the compiled step's are tests/test_compiled_step.py's
     graphed = SlotEngine(model, use_cuda_graphs=True, **options)
     eager = SlotEngine(model, use_cuda_graphs=False, **options)
     for lengths, max_new_tokens, stops, sampling in GROWING_CALLS * 2:

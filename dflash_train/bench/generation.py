@@ -4,10 +4,11 @@ tie-aware verdict).
 
 Engines: ``padded`` (the padded-batch loop synth and regen ran before, ``generate.sampling.sample_batch``,
 run in waves of ``--batch-size`` rows), ``slots`` (the slot engine: continuous batching over
-``--batch-size`` slots, preallocated cache, CUDA-graphed decode step on CUDA, its defaults: the
-grouped decode attention, compiled on CUDA for attention-only targets), ``slots-flex`` / ``slots-grouped``
-(FlexAttention over each slot's live blocks, or the grouped matmuls over the attended bucket;
-``slots-flex-compiled``: flex inside the compiled step), ``slots-eager`` (no graphs, to
+``--batch-size`` slots, preallocated cache, CUDA-graphed decode step on CUDA, its defaults: on CUDA
+with an attention-only target the flex decode attention inside the compiled step, else the grouped
+one, eager), ``slots-flex`` / ``slots-grouped`` (FlexAttention over each slot's live blocks, or the
+grouped matmuls over the attended bucket; ``slots-flex-compiled`` / ``slots-grouped-compiled``: either
+inside the compiled step), ``slots-eager`` (no graphs, to
 separate the gains), ``slots-compiled`` / ``slots-uncompiled`` (the decode forward and draw under
 torch.compile inside the graphs, or not, whatever the engine's default: ``SlotEngine(compile_decode=)``;
 with ``--profile`` and ``slots-compiled`` the compiled step is profiled beside the uncompiled one). Every engine runs the same prompts, greedy
@@ -77,6 +78,7 @@ ENGINES = (
     "slots-flex",
     "slots-flex-compiled",
     "slots-grouped",
+    "slots-grouped-compiled",
     "slots-eager",
     "slots-compiled",
     "slots-uncompiled",
@@ -228,11 +230,14 @@ def build(options: GenerationBenchOptions, device: torch.device, dtype: torch.dt
 def make_engine(name: str, model, batch_size: int, options: GenerationBenchOptions):
     if name == "padded":
         return PaddedEngine(model, num_slots=batch_size)
-    attention = {"slots-flex": "flex", "slots-flex-compiled": "flex", "slots-grouped": "grouped"}.get(name)
+    attention = (
+        "flex" if name.startswith("slots-flex") else "grouped" if name.startswith("slots-grouped") else None
+    )
+    compiled = name.endswith("-compiled")
     return SlotEngine(
         model, num_slots=batch_size, use_cuda_graphs=False if name == "slots-eager" else None,
         check_every=options.check_every, kv_bucket=options.kv_bucket or None, decode_attention=attention,
-        compile_decode={"slots-compiled": True, "slots-flex-compiled": True, "slots-uncompiled": False}.get(name),
+        compile_decode=True if compiled else False if name == "slots-uncompiled" else None,
     )  # fmt: skip
 
 

@@ -49,16 +49,14 @@ def compile_decode_choice(value: str) -> bool | None:
     return COMPILE_DECODE[value]
 
 
-def default_compile_decode(model: torch.nn.Module, device: torch.device, decode_attention: str) -> bool:
-    """Compile the decode step on CUDA for attention-only targets with the grouped attention: on one
-    H200 at SmolLM2-135M's shape it cut the graphed step at 1,024 slots from 9.6 to 5.6 ms (1,536 ->
-    520 kernels; docs/performance.md), compilation excluded. Hybrid (GatedDeltaNet) targets keep the
-    eager step until the compiled one is measured on them (``compile_decode=True`` asks for it); on a
-    CPU it is slower. ``flex`` compiles too when asked (its attention becomes part of the step's
-    graph), not by default until measured against grouped."""
-    layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
-    hybrid = "linear_attention" in layer_types
-    return device.type == "cuda" and decode_attention == "grouped" and not hybrid
+def default_compile_decode(device: torch.device, hybrid: bool) -> bool:
+    """Compile the decode step on CUDA for attention-only targets, with either attention: on one H200
+    at SmolLM2-135M's shape it cut the grouped step at 1,024 slots from 9.6 to 5.6 ms (1,536 -> 520
+    kernels; docs/performance.md), compilation excluded, and with flex (whose attention becomes part of
+    the step's graph) it ran 1.33x the compiled grouped step on an H100. Hybrid (GatedDeltaNet)
+    targets keep the eager step until the compiled one is measured on them (``compile_decode=True``
+    asks for it); on a CPU it is slower."""
+    return device.type == "cuda" and not hybrid
 
 
 def compiled_graph_count() -> int:

@@ -6,12 +6,12 @@ the query heads (``repeat_kv``): every layer copied every slot's whole attended 
 [S, Hkv, C, D], and group the query heads of each key/value head instead (query head h reads
 key/value head h // G, transformers' convention):
 
-- ``grouped`` (the default): two batched matmuls over the attended indices (the engine's bucket, a
+- ``grouped`` (the default without a compiled step: CPU, hybrid targets): two batched matmuls over the attended indices (the engine's bucket, a
   multiple of 256 above the longest running row) with an additive mask [S, 1, 1, kv]. cuBLAS reads
   the bucket at near copy bandwidth. In bf16 the scores are rounded to bf16 before the fp32 softmax
   (sdpa keeps them in fp32); on SmolLM2-135M every resulting difference from the flex kernel's
   replies was a tie by the eval's verdict (docs/performance.md).
-- ``flex``: PyTorch's FlexAttention with a ``BlockMask`` built from the slots' positions: slot r
+- ``flex`` (the default on CUDA for attention-only targets): PyTorch's FlexAttention with a ``BlockMask`` built from the slots' positions: slot r
   lists only the cache blocks up to its position, so the decoding kernel reads the blocks the slot
   really holds, whatever the capacity or the other slots' lengths. Compiled on CUDA (the flex
   decoding kernel, GQA heads packed per key/value head); uncompiled elsewhere (slow, for tests).
@@ -20,8 +20,9 @@ key/value head h // G, transformers' convention):
   Qwen3.6-27B shape's 6) fell back to the general kernel, one 16-row query block per query head. So
   the group is padded with zero query heads to the next power of two, whose outputs are dropped.
   Measured on one H200 before that padding, it was slower than ``grouped`` at chat lengths
-  (SmolLM2-135M, 1,024 slots: 11.3 vs 7.6 ms per step; the Qwen3.6-27B shape: equal), so it is an
-  option, for very ragged or long contexts where a bucket would read far more than the live tokens.
+  (SmolLM2-135M, 1,024 slots: 11.3 vs 7.6 ms per step; the Qwen3.6-27B shape: equal). With it, and
+  inside the compiled step, it is the faster (one H100: 632 vs 474 rows/s; per layer 0.08-0.21 ms
+  against 0.09-0.32 ms at 256-1,024 cache indices), so it is the default where the step compiles.
 
 Both are one function registered with transformers' attention interface (``SLOT_DECODE``) that
 dispatches on the mask it is handed; the engine switches a model to it for its decode steps only
@@ -46,9 +47,13 @@ DECODE_ATTENTIONS = ("flex", "grouped")
 FLEX_BLOCK = 128  # cache indices per BlockMask block (FlexAttention's default block size)
 
 
-def default_decode_attention(device: torch.device) -> str:
-    """grouped on every device: the faster of the two on one H200 at chat lengths (module docstring)."""
-    return "grouped"
+def default_decode_attention(device: torch.device, hybrid: bool) -> str:
+    """flex on CUDA for attention-only targets, whose decode step is compiled there: with the padded
+    groups, the compiled step with flex ran 632 rows/s against grouped's 474 (SmolLM2-135M's shape,
+    1,024 slots, 256 new tokens, one H100; docs/performance.md, "Decode attention over live blocks").
+    grouped elsewhere: hybrid targets keep the eager step, where flex was the slower (module docstring),
+    and on a CPU flex runs uncompiled."""
+    return "flex" if device.type == "cuda" and not hybrid else "grouped"
 
 
 def slot_decode_attention(

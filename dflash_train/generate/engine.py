@@ -129,17 +129,17 @@ class SlotEngine:
             )
         self.model = model
         self.device = next(model.parameters()).device
-        self.decode_attention = decode_attention or default_decode_attention(self.device)
+        layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
+        self.hybrid = "linear_attention" in layer_types
+        self.decode_attention = decode_attention or default_decode_attention(self.device, self.hybrid)
         if self.decode_attention not in DECODE_ATTENTIONS:
             raise ValueError(
                 f"decode_attention={decode_attention!r}: use one of {', '.join(DECODE_ATTENTIONS)}"
             )
         if compile_decode is None:
-            compile_decode = default_compile_decode(model, self.device, self.decode_attention)
+            compile_decode = default_compile_decode(self.device, self.hybrid)
         self.compile_decode = compile_decode
         self.step_body = CompiledStep(self.forward_and_draw) if compile_decode else self.forward_and_draw
-        layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None) or ()
-        self.hybrid = "linear_attention" in layer_types
         self.dtype = next(model.parameters()).dtype
         self.num_slots = num_slots
         self.use_cuda_graphs = self.device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs
