@@ -359,3 +359,54 @@ def test_the_status_names_the_code_it_was_measured_with(scale, tmp_path):
     scale.write_status(args, {})
     written = json.loads((args.out / "status.json").read_text())
     assert written["source"] == scale.source_digest() and len(written["source"]) == 12
+
+
+def test_lookup_rules_lookup_first_is_the_evals_ngram_then_dflash():
+    """scripts/lookup_rules.py's rules on one request whose reply repeats a span of its prompt:
+    ``lookup-first`` gives the eval's own ``ngram+dflash`` rounds, the oracle is never below either
+    proposal alone, and a drafter that never agrees keeps ``agree1`` on the drafter's blocks."""
+    spec = importlib.util.spec_from_file_location("lookup_rules", SCRIPTS / "lookup_rules.py")
+    rules = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rules)
+    from dflash_train.eval.simulate import simulate_ngram_then_dflash
+
+    span = list(range(10, 40))
+    prompt, continuation = [3, *span, 4, 5], [6, 7, *span, 8, 9, 2]
+    block_size, key, max_draft = 8, 3, 12
+    sequence = [*prompt, *continuation]
+    # the drafter is right on its first two tokens at every anchor, wrong after them
+    right = [sequence[len(prompt) + out : len(prompt) + out + 2] for out in range(1, 40)]
+    drafts = torch_rows([[*r, *[1] * (block_size - 1 - len(r))] for r in right])
+    run = {
+        rule: rules.simulate(
+            rule,
+            prompt,
+            continuation,
+            drafts,
+            eos={2},
+            block_size=block_size,
+            key=key,
+            max_draft=max_draft,
+            max_new_tokens=64,
+        )  # fmt: skip
+        for rule in rules.RULES
+    }
+    evals = simulate_ngram_then_dflash(
+        prompt, continuation, lambda out: drafts[out - 1].tolist(), key_size=key,
+        block_size=block_size, max_new_tokens=64, eos_token_ids={2}, max_draft=max_draft,
+    )  # fmt: skip
+    assert run["lookup-first"].num_accepted == evals.num_accepted
+    assert run["lookup"].tau > 1 and run["dflash"].tau < run["lookup-first"].tau
+    assert run["oracle"].tau >= max(run["lookup"].tau, run["dflash"].tau, run["lookup-first"].tau)
+    wrong = torch_rows([[1] * (block_size - 1)] * 39)
+    agree = rules.simulate(
+        "agree1", prompt, continuation, wrong, eos={2}, block_size=block_size, key=key,
+        max_draft=max_draft, max_new_tokens=64,
+    )  # fmt: skip
+    assert agree.num_accepted == [0] * len(agree.num_accepted)
+
+
+def torch_rows(rows):
+    import torch
+
+    return torch.tensor(rows)
