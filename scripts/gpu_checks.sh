@@ -12,7 +12,7 @@
 #   eval        bench eval at the Qwen3.6-27B shape (8 layers); with $SMOLLM2 also the 164 x 512 bar
 #   decode      bench decode (needs $SMOLLM2, a SmolLM2-135M-Instruct directory)
 #   generation  bench generation at the Qwen3.6-27B shape (8 layers, 64 and 256 slots, against the padded
-#               engine; first the top-p draw alone, sort vs sort-free, at 1,024 x 49,152 and 64 x 248,320);
+#               engine; first the top-p draw alone (sort, exact, exact compiled) at 1,024 x 49,152 and 64 x 248,320);
 #               with $SMOLLM2 also 1,024 slots x 512 tokens with the decode-step profile
 #   multi       scripts/gpu_multi_smoke.sh (NCCL smoke runs; a machine with 2+ GPUs)
 # The fla-core (and torchao) wheels in .whl/ are installed first when present.

@@ -186,7 +186,11 @@ def generation_figures(result: dict | None, log: str) -> dict:
             for a in result["attention"]
         ],
         "sampler": [
-            {k: a.get(k) for k in ("rows", "vocab", "sort_ms", "sort_free_ms", "speedup", "status")}
+            {
+                k: v
+                for k, v in a.items()
+                if k.endswith(("_ms", "_error")) or k in ("rows", "vocab", "speedup", "status")
+            }
             for a in result["sampler"]
         ],
         "device": result["device"],

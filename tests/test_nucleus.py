@@ -148,23 +148,27 @@ def test_a_row_draws_the_same_in_any_batch_and_position():
     assert not torch.equal(other_keys, together)
 
 
-def test_choose_tokens_does_not_sort_the_vocabulary(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("the sampler sorted")
+def test_the_compiled_draw_does_not_sort_the_vocabulary(monkeypatch):
+    """Traced into a compiled region the threshold is searched: a sort there fails the trace."""
 
-    for name in ("sort", "argsort", "topk", "msort"):
-        monkeypatch.setattr(torch, name, refuse)
-        monkeypatch.setattr(torch.Tensor, name, refuse)
-    logits = logits_of("random", 4, 1024, seed=1)
+    def refuse(*args, **kwargs):
+        raise AssertionError("the compiled draw sorted")
+
+    probs = torch.softmax(logits_of("random", 4, 1024, seed=1), dim=-1)
     uniforms = torch.rand(4, generator=torch.Generator().manual_seed(0))
-    for sampling in (Sampling(temperature=0.7, top_p=0.9), Sampling(temperature=1.0)):
-        tokens = choose_tokens(logits, uniforms, sampling)
-        assert tokens.shape == (4,) and bool(((tokens >= 0) & (tokens < 1024)).all())
+    monkeypatch.setattr(nucleus, "sorted_threshold", refuse)
+    torch._dynamo.reset()
+    traced = torch.compile(draw_below_limit, fullgraph=True, backend="aot_eager")
+    tokens = traced(probs, uniforms, mass_limit(0.9))
+    assert tokens.shape == (4,) and bool(((tokens >= 0) & (tokens < 1024)).all())
+    with pytest.raises(AssertionError, match="sorted"):
+        draw_below_limit(probs, uniforms, mass_limit(0.9))  # eagerly it reads the threshold off a sort
 
 
 def test_the_draw_traced_into_a_compiled_region_is_the_eager_one():
     """What the compiled decode step traces into its graph (the masked-sum rounds), with a dynamic
     batch and a changing limit; inductor's CPU code for one limit, on random and tied rows."""
+    torch._dynamo.reset()
     draws = [
         (torch.softmax(logits_of(kind, rows, 2048, seed=rows) / 0.9, dim=-1), rows)
         for kind, rows in [("random", 6), ("ties", 3), ("flat", 6), ("random", 1)]
@@ -182,27 +186,28 @@ def test_the_draw_traced_into_a_compiled_region_is_the_eager_one():
                 assert torch.equal(generated(probs, uniforms, mass_limit(top_p)), eager)
 
 
-@pytest.mark.parametrize("num_slices", [8, 1024])
-def test_masked_sums_and_the_histogram_give_the_same_masses(num_slices):
-    """One search round both ways (compiled: masked sums; eager: a scatter), inside intervals that
-    cut through random, tied and flat rows."""
-    probs = torch.cat(
-        [torch.softmax(logits_of(kind, 2, 4096, seed=5), dim=-1) for kind in ("random", "ties", "flat")]
-    )
-    patterns, weights = probs.view(torch.int32), masses(probs)
-    for low_value, step in [
-        (-1, 2**30 // num_slices),
-        (int(patterns[1].max()) - 9, 3 * 2**10 // num_slices or 1),
-    ]:
-        step = 1 << (step.bit_length() - 1)  # a power of two, as in the search
-        low = torch.full((6, 1), low_value, dtype=torch.int32)
-        mass_at_high = torch.where(patterns > low + num_slices * step, weights, 0).sum(-1, keepdim=True)
-        masked = nucleus.masked_masses_above(patterns, weights, low, step, num_slices, mass_at_high)
-        binned = nucleus.binned_masses_above(
-            patterns.long(), weights, low.long(), step, num_slices, mass_at_high
-        )
-        assert torch.equal(masked, binned)
-        assert masked.shape == (6, num_slices - 1) and bool((masked[:, :-1] >= masked[:, 1:]).all())
+@pytest.mark.parametrize("top_p", [0.999999, 0.99, 0.9, 0.5, 1e-6])
+def test_the_sort_and_the_search_find_the_same_nucleus_and_draw(top_p):
+    """The eager threshold (one sort) and the compiled one (the masked-sum search, run eagerly here)
+    on random, tied and flat rows and a row whose tail weighs nothing: the same masses above, the
+    same nucleus bounds wherever the nucleus is not the whole row, and the same tokens."""
+    rows = [
+        torch.softmax(logits_of(kind, 2, 4096, seed=7) / 0.8, dim=-1) for kind in ("random", "ties", "flat")
+    ]
+    steep = torch.softmax(torch.linspace(0, 60, 4096)[None], dim=-1)  # most masses floor to 0
+    probs = torch.cat([*rows, steep])
+    patterns, weights, limit = probs.view(torch.int32), masses(probs), mass_limit(top_p)
+    searched = nucleus.searched_threshold(patterns, weights, limit)
+    ordered = nucleus.sorted_threshold(patterns, weights, limit)
+    whole = sorted_nucleus(probs, top_p).all(-1, keepdim=True)
+    for got, want in zip(ordered, searched, strict=True):
+        assert torch.equal(torch.where(whole, 0, got), torch.where(whole, 0, want))
+    uniforms = torch.rand(len(probs), generator=torch.Generator().manual_seed(1))
+    eager = draw_below_limit(probs, uniforms, limit)  # the sort
+    torch._dynamo.reset()  # each limit is a recompilation: no earlier test's entries count
+    traced = torch.compile(draw_below_limit, fullgraph=True, backend="aot_eager")  # the search
+    assert torch.equal(eager, traced(probs, uniforms, limit))
+    assert bool(sorted_nucleus(probs, top_p).gather(1, eager[:, None]).all())
 
 
 @pytest.mark.gpu

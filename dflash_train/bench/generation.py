@@ -34,8 +34,8 @@ in the warm-up (``warmup_decode_compiles``, ``warmup_decode_compile_s``) and in 
 (``decode_compiles``, ``decode_compile_s``: its rows/s include them).
 
 ``--sampler-shapes 1024x49152,64x248320`` first times the top-p draw alone at each ROWSxVOCAB shape
-(``bench.sampler_timing``): the sort-based draw the engines ran before against the sort-free one,
-each captured in a CUDA graph as the decode step runs it. ``--attention-shapes 1024x256,1024x1024`` times
+(``bench.sampler_timing``): the sort-based draw the engines ran before, the exact draw eagerly and
+compiled, each captured in a CUDA graph as the decode step runs it. ``--attention-shapes 1024x256,1024x1024`` times
 one layer's decode attention alone at each SLOTSxKV shape, per kernel the step could run
 (``bench.attention_timing``: grouped eager and compiled, flex over live blocks, sdpa with GQA).
 
@@ -110,7 +110,7 @@ class GenerationBenchOptions(StepLimits):
     check_every: int = 4
     kv_bucket: int = 0  # 0: the engine's default
     profile: bool = False
-    # Comma list of ROWSxVOCAB shapes at which to time the top-p draw alone (sort vs sort-free); "" = none.
+    # Comma list of ROWSxVOCAB shapes at which to time the top-p draw alone (sort, exact, exact compiled); "" = none.
     sampler_shapes: str = ""
     # Comma list of SLOTSxKV shapes at which to time one layer's decode attention alone; "" = none.
     attention_shapes: str = ""
@@ -185,7 +185,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-bucket", type=int, default=0, help="slot engine: attended-length granularity")
     parser.add_argument("--profile", action="store_true", help="profile the slot engine's decode step")
     parser.add_argument(
-        "--sampler-shapes", default="", help="time the top-p draw alone (sort vs sort-free) at ROWSxVOCAB,..."
+        "--sampler-shapes",
+        default="",
+        help="time the top-p draw alone (sort, exact, exact compiled) at ROWSxVOCAB,...",
     )
     parser.add_argument(
         "--attention-shapes",
@@ -461,9 +463,12 @@ def print_table(result: dict) -> None:
         if r.get("status") != "ok":
             lines.append(f"top-p draw at {r['rows']}x{r['vocab']}: {r.get('status')}")
             continue
+        times = ", ".join(
+            f"{name} {r[f'{name}_ms']:.3f} ms" if f"{name}_ms" in r else f"{name} failed"
+            for name in ("sort", "exact", "exact_compiled")
+        )
         lines.append(
-            f"top-p draw at {r['rows']}x{r['vocab']}: sort {r['sort_ms']:.3f} ms, sort-free {r['sort_free_ms']:.3f} ms "
-            f"(x{r['speedup']}); nucleus differs in {r['nucleus_rows_differing']} rows"
+            f"top-p draw at {r['rows']}x{r['vocab']}: {times}; nucleus differs in {r['nucleus_rows_differing']} rows"
         )
     for r in result["attention"]:
         times = ", ".join(

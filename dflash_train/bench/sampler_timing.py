@@ -1,12 +1,19 @@
-"""Top-p draw timing for ``dflash-train bench generation --sampler-shapes``: the sort-based draw the
-engines ran before against ``generate/nucleus.py``'s (``generate.sampling.choose_tokens``), per
-ROWSxVOCAB shape, on random logits at temperature 0.7, top-p 0.9.
+"""Top-p draw timing for ``dflash-train bench generation --sampler-shapes``, per ROWSxVOCAB shape, on
+random logits at temperature 0.7, top-p 0.9: three draws, each keyed by its name in the record.
+
+- ``sort``: the sort-based draw the engines ran before (float32 sums in sorted order);
+- ``exact``: ``generate.sampling.choose_tokens`` eagerly, what an uncompiled decode step (hybrid
+  targets, ``--compile-decode off``) and the prefill draws run: ``generate/nucleus.py``'s exact
+  integer nucleus, its threshold read off one sort;
+- ``exact_compiled``: the same draw under ``torch.compile`` (full graph, this shape static), what the
+  compiled decode step traces into its graph: the threshold searched without a sort.
 
 On CUDA each draw is timed as the decode step runs it: two eager warm-ups on a side stream (the
-first one's wall time is ``first_call_s``), then captured in a CUDA graph and replayed
-``repeats`` times between CUDA events. On CPU (dry runs) the draws are timed eagerly. The record also
-counts the rows whose nucleus differs between the two (the sorted draw summed float32, the new one
-sums exact integers: only a boundary within float32 rounding of top-p can differ).
+first one's wall time is ``first_call_s``, compilation included), then captured in a CUDA graph and
+replayed ``repeats`` times between CUDA events. On CPU (dry runs) the draws are timed eagerly. A draw
+that fails is recorded as ``NAME_error`` and the others still run. The record also counts the rows
+whose nucleus differs between the sort and the exact draw (the sorted draw sums float32, the exact
+one integers: only a boundary within float32 rounding of top-p can differ).
 
 Shapes: R rows, V vocab.
 """
@@ -56,13 +63,20 @@ def time_samplers(num_rows: int, vocab: int, device: torch.device, repeats: int 
     logits = torch.randn(num_rows, vocab, device=device, generator=generator) * LOGIT_SCALE
     uniforms = torch.rand(num_rows, device=device, generator=generator)
     record: dict = {"rows": num_rows, "vocab": vocab, "temperature": TIMED.temperature, "top_p": TIMED.top_p}
-    for name, draw in (("sort", sorted_draw), ("sort_free", choose_tokens)):
-        timing = time_draw(draw, logits, uniforms, repeats)
+    torch._dynamo.reset()  # the compiled draw compiles for this shape, not on an earlier one's entry
+    compiled = torch.compile(choose_tokens, fullgraph=True, dynamic=False)
+    for name, draw in (("sort", sorted_draw), ("exact", choose_tokens), ("exact_compiled", compiled)):
+        try:
+            timing = time_draw(draw, logits, uniforms, repeats)
+        except Exception as err:  # noqa: BLE001 (recorded: the other draws still run)
+            record[f"{name}_error"] = f"{type(err).__name__}: {err}"[:300]
+            continue
         record |= {
             f"{name}_ms": round(timing["ms"], 4),
             f"{name}_first_call_s": round(timing["first_call_s"], 2),
         }
-    record["speedup"] = round(record["sort_ms"] / max(record["sort_free_ms"], 1e-9), 2)
+    if "exact_ms" in record:
+        record["speedup"] = round(record["sort_ms"] / max(record["exact_ms"], 1e-9), 2)
     probs = torch.softmax(logits / TIMED.temperature, dim=-1)
     _, order, inside = sorted_nucleus(probs, TIMED.top_p)
     sorted_mask = torch.zeros_like(inside).scatter(-1, order, inside)
