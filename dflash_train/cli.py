@@ -327,6 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="torch.compile the in-process decode step (auto: on for attention-only targets on CUDA)",
     )
+    p.add_argument(
+        "--decode-attention",
+        choices=["auto", "flex", "grouped"],
+        default="auto",
+        help="the in-process decode step's attention (auto: flex on CUDA for attention-only targets, else grouped)",
+    )
     p.add_argument("--endpoint", default="", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
     p.add_argument("--model", default="", help="model name on the server (default: the one it serves)")
     p.add_argument("--api-key-env", default="", help="environment variable holding the server's API key")
@@ -364,6 +370,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["auto", "on", "off"],
         default="auto",
         help="torch.compile the in-process decode step (auto: on for attention-only targets on CUDA)",
+    )
+    p.add_argument(
+        "--decode-attention",
+        choices=["auto", "flex", "grouped"],
+        default="auto",
+        help="the in-process decode step's attention (auto: flex on CUDA for attention-only targets, else grouped)",
     )
     p.add_argument("--min-prompt-chars", type=int, default=10)
     p.add_argument(

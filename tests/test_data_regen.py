@@ -411,6 +411,17 @@ def test_compile_decode_refuses_an_unknown_choice(tmp_path):
         )
 
 
+@pytest.mark.parametrize("choice, attention", [("auto", "grouped"), ("flex", "flex"), ("grouped", "grouped")])
+def test_decode_attention_reaches_the_slot_engine(tiny_qwen3_dir, chat_file, tmp_path, choice, attention):
+    """``--decode-attention`` picks the slot engine's decode attention (auto: grouped on a CPU) and the
+    report says which ran; an unknown one is refused by name."""
+    opts = regen_args(tiny_qwen3_dir, chat_file, tmp_path / "out.jsonl", decode_attention=choice)
+    result = run_regen(opts)
+    assert result["decode_attention"] == attention and result["rows_done"] == 4
+    with pytest.raises(ValueError, match="--decode-attention 'sdpa': use auto, flex or grouped"):
+        regen_args("t", tmp_path / "d", tmp_path / "o", decode_attention="sdpa")
+
+
 @pytest.mark.parametrize(
     "changed", [{"temperature": 0.7}, {"max_new_tokens": 8}, {"seed": 1}, {"thinking": "off"}]
 )

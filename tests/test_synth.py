@@ -236,6 +236,11 @@ def test_synth_cli_json(chatty_dir, tmp_path, capsys):
     assert result["rows"] == 3 and set(result["filtered"]) >= {"near_duplicate", "exact_duplicate"}
     assert os.path.exists(str(out) + ".state.json")
     assert result["decode_compiles"] == 0 and result["decode_compile_s"] == 0.0  # auto: eager on a CPU
+    assert result["decode_attention"] == "grouped"  # auto on a CPU
+    flex = tmp_path / "flex.jsonl"
+    argv = ["synth", "--target", str(chatty_dir), "--output", str(flex), "--num-rows", "2", "--device", "cpu"]
+    assert main([*argv, "--max-prompt-tokens", "16", "--decode-attention", "flex", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["decode_attention"] == "flex"
 
 
 def test_synth_reports_the_compiled_steps_compilations(chatty_dir, tmp_path, monkeypatch):

@@ -50,6 +50,7 @@ from dflash_train.data.skips import SkipCounts
 from dflash_train.data.special_tokens import end_of_turn_id, pad_id, resolve_eos_ids
 from dflash_train.data.tokenize import template_kwargs
 from dflash_train.generate.compiled_step import compile_decode_choice, compile_report
+from dflash_train.generate.decode_attention import decode_attention_choice
 from dflash_train.generate.engine import QUEUE_ROWS_PER_SLOT, build_generator
 from dflash_train.generate.sampling import Sampling, load_generator, resolve_device
 
@@ -119,6 +120,7 @@ def run_regen(opts: RegenOptions) -> dict[str, Any]:
         "engine": engine.name if engine else "none",
         # The slot engine's compiled decode step (None: another engine, or nothing to do).
         "compile_decode": getattr(getattr(engine, "generator", None), "compile_decode", None),
+        "decode_attention": getattr(getattr(engine, "generator", None), "decode_attention", None),
         # Its compilations (inside elapsed_s: rows_per_s pays for them; a new process pays again).
         **compile_report(getattr(engine, "generator", None)),
         "rows_per_s": round(counts["rows_done"] / elapsed, 2) if todo and elapsed > 0 else 0.0,
@@ -319,8 +321,9 @@ class TransformersEngine:
         self.pad_id = pad_id(self.tokenizer, eos)  # no pad token (Llama-3): EOS under the mask
         self.sampling = Sampling(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
         self.generator = build_generator(
-            self.model, num_slots=opts.batch_size, compile_decode=compile_decode_choice(opts.compile_decode)
-        )
+            self.model, num_slots=opts.batch_size, compile_decode=compile_decode_choice(opts.compile_decode),
+            decode_attention=decode_attention_choice(opts.decode_attention),
+        )  # fmt: skip
 
     def regenerate(self, rows: list[ChatRow]):
         return regenerate(self, rows)

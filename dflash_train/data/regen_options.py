@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from dflash_train.data.regen_turns import THINKING
 from dflash_train.generate.compiled_step import compile_decode_choice
+from dflash_train.generate.decode_attention import decode_attention_choice
 from dflash_train.generate.sampling import Sampling
 
 
@@ -30,6 +31,8 @@ class RegenOptions:
     seed: int = 0
     # The in-process slot engine's torch.compile of its decode step: auto (its default), on, off.
     compile_decode: str = "auto"
+    # Its decode attention: auto (its default: flex on CUDA for attention-only targets), flex, grouped.
+    decode_attention: str = "auto"
     # OpenAI-compatible server (``http://HOST:PORT/v1``); empty = generate in process.
     endpoint: str = ""
     model: str = ""
@@ -49,3 +52,4 @@ class RegenOptions:
             raise ValueError("--batch-size, --max-new-tokens and --concurrency must be >= 1, --retries >= 0")
         Sampling(temperature=self.temperature, top_p=self.top_p)  # validates both
         compile_decode_choice(self.compile_decode)
+        decode_attention_choice(self.decode_attention)

@@ -59,6 +59,7 @@ from dflash_train.data.tokenize import (
     turn_closing_text,
 )
 from dflash_train.generate.compiled_step import compile_decode_choice, compile_report
+from dflash_train.generate.decode_attention import decode_attention_choice
 from dflash_train.generate.engine import QUEUE_ROWS_PER_SLOT, build_generator
 from dflash_train.generate.loops import LoopStop
 from dflash_train.generate.sampling import Sampling, load_generator, resolve_device
@@ -96,6 +97,7 @@ class SynthOptions:
     batch_size: int = 64
     device: str = "auto"
     compile_decode: str = "auto"  # the slot engine's torch.compile of its decode step (auto, on, off)
+    decode_attention: str = "auto"  # its decode attention (auto: flex on CUDA for attention-only targets)
     thinking: str = "default"
     # Greedy replies between the turns of a multi-turn row.
     max_reply_tokens: int = 512
@@ -123,6 +125,7 @@ class SynthOptions:
             raise ValueError(f"--thinking {self.thinking!r}: use one of {list(THINKING)}")
         Sampling(temperature=self.temperature, top_p=self.top_p)  # validates both
         compile_decode_choice(self.compile_decode)
+        decode_attention_choice(self.decode_attention)
 
 
 def magpie_prefix(tokenizer, history: list[dict], kwargs: dict) -> str:
@@ -199,8 +202,9 @@ class Synthesizer:
         self.first_prefixes = [magpie_prefix(self.tokenizer, system, self.kwargs) for system in self.systems]
         self.sampling = Sampling(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
         self.generator = build_generator(
-            self.model, num_slots=opts.batch_size, compile_decode=compile_decode_choice(opts.compile_decode)
-        )
+            self.model, num_slots=opts.batch_size, compile_decode=compile_decode_choice(opts.compile_decode),
+            decode_attention=decode_attention_choice(opts.decode_attention),
+        )  # fmt: skip
         self.loop_stop = LoopStop() if opts.stop_loops else None
 
     def encode(self, text: str) -> list[int]:
@@ -308,7 +312,11 @@ def run_synth(opts: SynthOptions) -> dict[str, Any]:
     synth_phase(synth, opts, state, files, bar, "train", quotas, quotas)
     bar.close()
     result = summary(opts, tasks, progress, quotas, start, heldout, time.perf_counter() - t0)
-    return result | compile_report(synth.generator)
+    return (
+        result
+        | {"decode_attention": getattr(synth.generator, "decode_attention", None)}
+        | compile_report(synth.generator)
+    )
 
 
 def synth_phase(synth, opts, state, files, bar, phase: str, targets: list[int], quotas: list[int]) -> None:

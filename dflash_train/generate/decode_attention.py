@@ -47,6 +47,13 @@ DECODE_ATTENTIONS = ("flex", "grouped")
 FLEX_BLOCK = 128  # cache indices per BlockMask block (FlexAttention's default block size)
 
 
+def decode_attention_choice(value: str) -> str | None:
+    """``SlotEngine(decode_attention=)`` for a ``--decode-attention`` value (auto = the engine's default)."""
+    if value != "auto" and value not in DECODE_ATTENTIONS:
+        raise ValueError(f"--decode-attention {value!r}: use auto, {' or '.join(DECODE_ATTENTIONS)}")
+    return None if value == "auto" else value
+
+
 def default_decode_attention(device: torch.device, hybrid: bool) -> str:
     """flex on CUDA for attention-only targets, whose decode step is compiled there: with the padded
     groups, the compiled step with flex ran 632 rows/s against grouped's 474 (SmolLM2-135M's shape,
