@@ -6,15 +6,17 @@ the query heads (``repeat_kv``): every layer copied every slot's whole attended 
 [S, Hkv, C, D], and group the query heads of each key/value head instead (query head h reads
 key/value head h // G, transformers' convention):
 
-- ``grouped`` (the default without a compiled step: CPU, hybrid targets): two batched matmuls over the attended indices (the engine's bucket, a
-  multiple of 256 above the longest running row) with an additive mask [S, 1, 1, kv]. cuBLAS reads
-  the bucket at near copy bandwidth. In bf16 the scores are rounded to bf16 before the fp32 softmax
-  (sdpa keeps them in fp32); on SmolLM2-135M every resulting difference from the flex kernel's
-  replies was a tie by the eval's verdict (docs/performance.md).
-- ``flex`` (the default on CUDA for attention-only targets): PyTorch's FlexAttention with a ``BlockMask`` built from the slots' positions: slot r
-  lists only the cache blocks up to its position, so the decoding kernel reads the blocks the slot
-  really holds, whatever the capacity or the other slots' lengths. Compiled on CUDA (the flex
-  decoding kernel, GQA heads packed per key/value head); uncompiled elsewhere (slow, for tests).
+- ``grouped`` (the default without a compiled step: CPU, hybrid targets): two batched matmuls over
+  the attended indices (the engine's bucket, a multiple of 256 above the longest running row) with
+  an additive mask [S, 1, 1, kv]. cuBLAS reads the bucket at near copy bandwidth. In bf16 the
+  scores are rounded to bf16 before the fp32 softmax (sdpa keeps them in fp32); on SmolLM2-135M
+  every resulting difference from the flex kernel's replies was a tie by the eval's verdict
+  (docs/performance.md).
+- ``flex`` (the default on CUDA for attention-only targets): PyTorch's FlexAttention with a
+  ``BlockMask`` built from the slots' positions: slot r lists only the cache blocks up to its
+  position, so the decoding kernel reads the blocks the slot really holds, whatever the capacity or
+  the other slots' lengths. Compiled on CUDA (the flex decoding kernel, GQA heads packed per
+  key/value head); uncompiled elsewhere (slow, for tests).
   Inductor lowers it to its split-KV decoding kernel only when the query heads per key/value head
   are a power of two (``flex_decoding._use_flex_decoding``); other groups (SmolLM2-135M's 3, the
   Qwen3.6-27B shape's 6) fell back to the general kernel, one 16-row query block per query head. So
@@ -57,7 +59,7 @@ def decode_attention_choice(value: str) -> str | None:
 def default_decode_attention(device: torch.device, hybrid: bool) -> str:
     """flex on CUDA for attention-only targets, whose decode step is compiled there: with the padded
     groups, the compiled step with flex ran 632 rows/s against grouped's 474 (SmolLM2-135M's shape,
-    1,024 slots, 256 new tokens, one H100; docs/performance.md, "Decode attention over live blocks").
+    1,024 slots, 256 new tokens, one H100; docs/performance.md, "Flex padded, in the compiled step").
     grouped elsewhere: hybrid targets keep the eager step, where flex was the slower (module docstring),
     and on a CPU flex runs uncompiled."""
     return "flex" if device.type == "cuda" and not hybrid else "grouped"
