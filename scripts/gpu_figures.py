@@ -41,7 +41,6 @@ import argparse
 import hashlib
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -51,6 +50,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_figure_readers import (  # noqa: E402
+    checkpoint_figures,
+    checkpoint_line,
+    generation_figures,
+    generation_line,
+    lengths_figures,
+    lengths_line,
+    pytest_figures,
+    pytest_line,
+    train_figures,
+    train_line,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = "gpu_figures.json"
@@ -120,142 +134,6 @@ def gpu_tests(options: argparse.Namespace, limit_s: float) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- figures per step
-
-
-def train_figures(result: dict | None, log: str) -> dict:
-    """The train step's figures, its compile report included."""
-    if result is None:
-        return {}
-    kernels = result.get("target_kernels", {})
-    keys = ("tokens_per_s", "step_s", "target_s", "drafter_s", "optimizer_s", "mfu", "peak_mem_gb")
-    compiles = ("warmup_s", "compiled_graphs_warmup", "compiled_graphs_timed", "eager_fallbacks")
-    return {
-        **{key: result[key] for key in keys + compiles},
-        "target_fp8": result["target_fp8"],
-        "compile": kernels.get("compile", "not reported"),
-        "linear": kernels.get("linear", "bf16"),
-        "device": result["device"],
-    }
-
-
-def checkpoint_figures(result: dict | None, log: str) -> dict:
-    """Per save mode: each save's stall and wall time, the peak host RSS, the bytes on disk (or the error)."""
-    if result is None:
-        return {}
-    figures = {}
-    for mode, outcome in result["modes"].items():
-        if "error" in outcome:
-            figures[mode] = {"error": outcome["error"]}
-            continue
-        saves = outcome["saves"]
-        figures[mode] = {
-            "stall_s": [save["stall_s"] for save in saves],
-            "wall_s": [save["wall_s"] for save in saves],
-            "peak_rss_gib": max(save["peak_rss_gib"] for save in saves),
-            "checkpoint_bytes": saves[-1]["checkpoint_bytes"],
-        }
-    return figures
-
-
-def lengths_figures(result: dict | None, log: str) -> dict:
-    """Per mode (buckets, packing): real and batch tokens/s, padding waste, and the compile counts."""
-    if result is None:
-        return {}
-    keys = (
-        "real_tokens_per_s", "batch_tokens_per_s", "padding_waste_timed", "padding_waste_epoch",
-        "conversations_per_row", "step_s", "warmup_s", "compiled_graphs_timed", "eager_fallbacks",
-    )  # fmt: skip
-    modes = {mode: {k: values[k] for k in keys} for mode, values in result["modes"].items()}
-    compile_report = result.get("target_kernels", {}).get("compile", "not reported")
-    return {**modes, "packing_speedup": result["packing_speedup"], "compile": compile_report}
-
-
-def generation_figures(result: dict | None, log: str) -> dict:
-    """Rows/s of each engine, each decode-attention kernel's time per shape, each top-p draw's time."""
-    if result is None:
-        return {}
-    run_keys = ("status", "rows_per_s", "generated_tokens_per_s", "warmup_decode_compile_s")
-    return {
-        "runs": {r["engine"]: {k: r.get(k) for k in run_keys} for r in result["runs"]},
-        "attention": [
-            {
-                k: v
-                for k, v in a.items()
-                if k.endswith("_ms") or k in ("slots", "kv", "bucket_mb", "live_mb", "status")
-            }
-            for a in result["attention"]
-        ],
-        "sampler": [
-            {
-                k: v
-                for k, v in a.items()
-                if k.endswith(("_ms", "_error")) or k in ("rows", "vocab", "speedup", "status")
-            }
-            for a in result["sampler"]
-        ],
-        "device": result["device"],
-    }
-
-
-def pytest_figures(result: dict | None, log: str) -> dict:
-    """Counts of pytest's last summary line (``27 passed, 1 failed in 407.12s``) and the failed tests."""
-    summaries = [line for line in log.splitlines() if re.search(r"\b\d+ \w+.* in [\d.]+s\b", line)]
-    if not summaries:
-        return {}
-    counts = {word: int(n) for n, word in re.findall(r"(\d+) ([a-z]+)", summaries[-1].split(" in ")[0])}
-    duration = re.search(r" in ([\d.]+)s", summaries[-1])
-    failed = [line.split(" - ")[0] for line in log.splitlines() if line.startswith(("FAILED ", "ERROR "))]
-    return {
-        "counts": counts,
-        "pytest_s": float(duration.group(1)),
-        "failed": failed[:20],
-        "summary": summaries[-1].strip("= "),
-    }
-
-
-def train_line(figures: dict) -> str:
-    return (
-        f"{figures['tokens_per_s']:,.0f} tok/s, step {figures['step_s'] * 1e3:,.0f} ms "
-        f"(target {figures['target_s'] * 1e3:,.0f}), MFU {figures['mfu']:.1%}, {figures['peak_mem_gb']:.1f} GB; "
-        f"compile: {figures['compile']}; timed compiles {figures['compiled_graphs_timed']}, "
-        f"eager fallbacks {figures['eager_fallbacks']}"
-    )
-
-
-def checkpoint_line(figures: dict) -> str:
-    parts = []
-    for mode, values in figures.items():
-        if "error" in values:
-            parts.append(f"{mode} {values['error'][:60]}")
-        else:
-            stalls = "/".join(f"{s:.1f}" for s in values["stall_s"])
-            walls = "/".join(f"{s:.1f}" for s in values["wall_s"])
-            parts.append(
-                f"{mode} stall {stalls} s, wall {walls} s, {values['checkpoint_bytes'] / 2**30:.1f} GiB, "
-                f"RSS {values['peak_rss_gib']:.1f} GiB"
-            )
-    return "; ".join(parts)
-
-
-def lengths_line(figures: dict) -> str:
-    modes = [
-        f"{mode} {figures[mode]['real_tokens_per_s']:,.0f} real tok/s (waste {figures[mode]['padding_waste_timed']:.1%})"
-        for mode in ("buckets", "packing")
-    ]
-    return "; ".join(modes) + f"; packing x{figures['packing_speedup']:.2f}"
-
-
-def generation_line(figures: dict) -> str:
-    runs = [f"{engine} {values['rows_per_s']} rows/s" for engine, values in figures["runs"].items()]
-    attention = [
-        f"{a['slots']}x{a['kv']} grouped {a.get('grouped_compiled_ms', '-')} / flex {a.get('flex_ms', '-')} ms"
-        for a in figures["attention"]
-    ]
-    return "; ".join(runs + attention)
-
-
-def pytest_line(figures: dict) -> str:
-    return figures["summary"]
 
 
 STEPS: dict[str, Step] = {
