@@ -2,7 +2,8 @@
 attention of one token per slot over the slot cache, per SLOTSxKV shape, for the kernels the decode
 step could run (the question of "attention over what slots hold"):
 
-- ``grouped``: the engine's default (``generate.decode_attention.grouped_attention``), eager;
+- ``grouped``: the engine's default without a compiled step
+  (``generate.decode_attention.grouped_attention``), eager;
 - ``grouped_compiled``: the same function under ``torch.compile``, as the compiled decode step runs it;
 - ``flex``: FlexAttention over each slot's live blocks (``LiveBlockMask``), compiled on CUDA, as the
   engine calls it (``flex_decode``: query heads per key/value head padded to a power of two);

@@ -49,9 +49,9 @@ from dflash_train.data.regen_turns import (
 from dflash_train.data.skips import SkipCounts
 from dflash_train.data.special_tokens import end_of_turn_id, pad_id, resolve_eos_ids
 from dflash_train.data.tokenize import template_kwargs
-from dflash_train.generate.compiled_step import compile_decode_choice, compile_report
+from dflash_train.generate.compiled_step import compile_decode_choice
 from dflash_train.generate.decode_attention import decode_attention_choice
-from dflash_train.generate.engine import QUEUE_ROWS_PER_SLOT, build_generator
+from dflash_train.generate.engine import QUEUE_ROWS_PER_SLOT, build_generator, decode_step_report
 from dflash_train.generate.sampling import Sampling, load_generator, resolve_device
 
 
@@ -120,9 +120,9 @@ def run_regen(opts: RegenOptions) -> dict[str, Any]:
         "engine": engine.name if engine else "none",
         # The slot engine's compiled decode step (None: another engine, or nothing to do).
         "compile_decode": getattr(getattr(engine, "generator", None), "compile_decode", None),
-        "decode_attention": getattr(getattr(engine, "generator", None), "decode_attention", None),
-        # Its compilations (inside elapsed_s: rows_per_s pays for them; a new process pays again).
-        **compile_report(getattr(engine, "generator", None)),
+        # Its attention and compilations (inside elapsed_s: rows_per_s pays for them; a new process
+        # pays again).
+        **decode_step_report(getattr(engine, "generator", None)),
         "rows_per_s": round(counts["rows_done"] / elapsed, 2) if todo and elapsed > 0 else 0.0,
         "elapsed_s": round(elapsed, 2),
         "output": str(output),

@@ -58,9 +58,9 @@ from dflash_train.data.tokenize import (
     template_kwargs,
     turn_closing_text,
 )
-from dflash_train.generate.compiled_step import compile_decode_choice, compile_report
+from dflash_train.generate.compiled_step import compile_decode_choice
 from dflash_train.generate.decode_attention import decode_attention_choice
-from dflash_train.generate.engine import QUEUE_ROWS_PER_SLOT, build_generator
+from dflash_train.generate.engine import QUEUE_ROWS_PER_SLOT, build_generator, decode_step_report
 from dflash_train.generate.loops import LoopStop
 from dflash_train.generate.sampling import Sampling, load_generator, resolve_device
 
@@ -312,11 +312,7 @@ def run_synth(opts: SynthOptions) -> dict[str, Any]:
     synth_phase(synth, opts, state, files, bar, "train", quotas, quotas)
     bar.close()
     result = summary(opts, tasks, progress, quotas, start, heldout, time.perf_counter() - t0)
-    return (
-        result
-        | {"decode_attention": getattr(synth.generator, "decode_attention", None)}
-        | compile_report(synth.generator)
-    )
+    return result | decode_step_report(synth.generator)
 
 
 def synth_phase(synth, opts, state, files, bar, phase: str, targets: list[int], quotas: list[int]) -> None:

@@ -46,7 +46,7 @@ from collections.abc import Callable, Collection, Sequence
 
 import torch
 
-from dflash_train.generate.compiled_step import CompiledStep, default_compile_decode
+from dflash_train.generate.compiled_step import CompiledStep, compile_report, default_compile_decode
 from dflash_train.generate.decode_attention import (
     DECODE_ATTENTIONS,
     FLEX_BLOCK,
@@ -466,6 +466,13 @@ def round_up(value: int, multiple: int) -> int:
 
 
 # ----------------------------------------------------------------------------- engine choice
+
+
+def decode_step_report(generator) -> dict:
+    """What regen and synth report of a generator's decode step: its attention (``decode_attention``;
+    None for an engine without one: the padded engine, an endpoint) and its compilations
+    (``compiled_step.compile_report``)."""
+    return {"decode_attention": getattr(generator, "decode_attention", None), **compile_report(generator)}
 
 
 def build_generator(model: torch.nn.Module, *, num_slots: int, engine: str = "auto", **options):
