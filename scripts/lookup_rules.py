@@ -34,7 +34,7 @@ from dflash_train.eval.generate import greedy_continuations, pad_token_for
 from dflash_train.eval.ngram_simple import NgramSimpleIndex, ngram_simple_draft
 from dflash_train.eval.prompts import load_prompt_file
 from dflash_train.eval.runner import default_eos_ids
-from dflash_train.eval.simulate import _rounds, matched_prefix
+from dflash_train.eval.simulate import matched_prefix, simulate_rounds
 from dflash_train.models.variant import drafted_tokens
 
 RULES = (
@@ -115,7 +115,7 @@ def simulate(rule: str, prompt, continuation, drafts, *, eos, block_size, key, m
         }
         return choices[rule]()
 
-    return _rounds(continuation, max_new_tokens, eos, block_size + max_draft, accept)
+    return simulate_rounds(continuation, max_new_tokens, eos, block_size + max_draft, accept)
 
 
 def main() -> None:

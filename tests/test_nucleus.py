@@ -1,6 +1,7 @@
-"""Top-p draws without a sort (generate/nucleus.py): the nucleus is exactly the sorted definition's
-(ties at the threshold included), draws follow the renormalised nucleus, a row draws the same in any
-batch, and the compiled draw (what CUDA runs, captured in the decode step's graph) is the eager one."""
+"""Top-p draws by an exact threshold (generate/nucleus.py): the nucleus is exactly the sorted
+definition's (ties at the threshold included), draws follow the renormalised nucleus, a row draws the
+same in any batch, and the compiled draw (the sort-free search the compiled decode step traces) is
+the eager one (its threshold read off a sort)."""
 
 import pytest
 import torch

@@ -48,14 +48,15 @@ def request_limit(continuation: Sequence[int], max_new_tokens: int, eos: Collect
     return min(max_new_tokens, len(continuation))
 
 
-def _rounds(
+def simulate_rounds(
     continuation: Sequence[int],
     max_new_tokens: int,
     eos: Collection[int],
     block_size: int,
     accept: Callable[[int, int], tuple[int, int]],
 ) -> Generation:
-    """The round loop shared by chain and tree: ``accept(out, max_drafts) -> (drafted, accepted)``."""
+    """The round loop every simulation shares (chain, tree, lookup first, scripts/lookup_rules.py):
+    ``accept(out, max_drafts) -> (drafted, accepted)``."""
     limit = request_limit(continuation, max_new_tokens, eos)
     gen = Generation(tokens=list(continuation[:limit]))
     out = 1
@@ -96,7 +97,7 @@ def simulate_chain(
         draft = drafted_tokens(list(drafts_at(out))[:max_drafts])  # a block stopped early drafts fewer
         return len(draft), matched_prefix(draft, continuation, out, eos_token_ids)
 
-    return _rounds(continuation, max_new_tokens, eos_token_ids, block_size, accept)
+    return simulate_rounds(continuation, max_new_tokens, eos_token_ids, block_size, accept)
 
 
 def simulate_tree(
@@ -122,7 +123,7 @@ def simulate_tree(
                 break
         return max(tree.depths), accepted
 
-    return _rounds(continuation, max_new_tokens, eos_token_ids, block_size, accept)
+    return simulate_rounds(continuation, max_new_tokens, eos_token_ids, block_size, accept)
 
 
 class NgramIndex:
@@ -217,7 +218,7 @@ def simulate_ngram_then_dflash(
         return len(draft), matched_prefix(draft, continuation, out, eos_token_ids)
 
     widest = max(block_size, max_draft + 1)  # the round: the last token and the longest draft
-    return _rounds(continuation, max_new_tokens, eos_token_ids, widest, accept)
+    return simulate_rounds(continuation, max_new_tokens, eos_token_ids, widest, accept)
 
 
 def round_starts(generation: Generation) -> list[int]:
