@@ -117,6 +117,24 @@ def test_a_moved_file_with_the_same_contents_resumes(own_data, four_steps, tmp_p
     assert result["step"] == 8
 
 
+def test_the_same_file_named_from_another_folder_resumes(own_data, tmp_path, monkeypatch):
+    """The token cache is keyed by the files' absolute paths, so a process that names the same file
+    otherwise (relative to another working directory) loads the first process's cache. Its file
+    names were the first process's, relative to that folder: the fingerprint looked for a file that
+    is not there ('not a local file') and the resume was refused as if the data had changed."""
+    data = Path(own_data["data"])
+    monkeypatch.chdir(data.parent.parent)
+    relative = str(data.relative_to(data.parent.parent))
+    out = tmp_path / "run"
+    train(tiny_config({**own_data, "data": relative}, out, "train.steps_per_process=4"))
+    monkeypatch.chdir(tmp_path.parent)
+    with pytest.warns(UserWarning, match="changed data.paths"):
+        result = train(tiny_config(own_data, out, "train.steps_per_process=4"))
+    assert result["step"] == 8
+    state = torch.load(ckpt.step_folder(out, 8) / ckpt.STATE_NAME, weights_only=False)
+    assert state["data_files"][0]["path"] == str(data)
+
+
 def test_a_checkpoint_without_fingerprints_resumes_with_a_notice(own_data, four_steps, capsys):
     path = ckpt.step_folder(four_steps, 4) / ckpt.STATE_NAME
     state = torch.load(path, weights_only=False)

@@ -140,15 +140,20 @@ def load_or_build(cfg: DataConfig, tokenizer, *, build: bool = True) -> Tokenize
     files = expand_paths(cfg.paths)
     directory = cache_path(cfg, tokenizer, files)
     if (directory / "meta.json").is_file():
-        return load_cache(directory, cfg.max_bad_rows)
+        return load_cache(directory, cfg.max_bad_rows, files)
     if not build:
         return None
     build_cache(cfg, tokenizer, files, directory)
-    return load_cache(directory, cfg.max_bad_rows)
+    return load_cache(directory, cfg.max_bad_rows, files)
 
 
-def load_cache(directory: Path, max_bad_rows: int) -> TokenizedData:
+def load_cache(directory: Path, max_bad_rows: int, files: list[str]) -> TokenizedData:
+    """The cache in ``directory`` of the data ``files`` as named now. The key holds each file's
+    absolute path, so a process that names the same files otherwise (relative to another working
+    directory) loads the cache its builder wrote: the names recorded there may point elsewhere from
+    here, and the fingerprints and row locations must use today's."""
     meta = json.loads((directory / "meta.json").read_text())
+    assert len(files) == len(meta["files"]), (directory, files)  # the key fingerprints every file
     skips = SkipCounts(max_bad_rows=max_bad_rows, by_reason=meta["skips"], examples=meta["examples"])
     skips.check_limit()  # the cache may have been built under a higher data.max_bad_rows
     num_tokens = meta["num_tokens"]
@@ -158,7 +163,7 @@ def load_cache(directory: Path, max_bad_rows: int) -> TokenizedData:
         offsets=np.load(directory / "offsets.npy"),
         origins=np.load(directory / "rows.npy"),
         response_counts=np.load(directory / "response.npy"),
-        files=meta["files"],
+        files=files,
         skips=skips,
         directory=directory,
         id_sources=np.load(directory / "id_sources.npy"),
