@@ -15,7 +15,12 @@ import pytest
 
 from dflash_train.train import checkpoint as ckpt
 from dflash_train.train.trainer import TrainHooks, train
+from tests import test_heldout_eval
+from tests.test_heldout_eval import eval_overrides
 from tests.train_helpers import tiny_config, tiny_overrides
+
+# The held-out prompt files of test_heldout_eval, as a fixture here.
+prompt_files = test_heldout_eval.prompt_files
 
 REPO = Path(__file__).parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
@@ -282,3 +287,30 @@ def test_a_fresh_start_sets_the_earlier_runs_checkpoints_aside(task, tmp_path, c
     executed = []
     train(tiny_config(task, out), step_recorder(executed))
     assert executed == list(range(7, 13))
+
+
+def test_a_fresh_start_resumed_before_its_first_evaluation_writes_its_own_export_best(
+    task, prompt_files, tmp_path
+):
+    """``resume: never`` into an output_dir holding an earlier run's export-best (of step 1, a tau no
+    drafter here reaches), the new run stopped at step 4 before any evaluation, then resumed: its
+    evaluations were measured against the earlier run's best, so export-best stayed the earlier
+    run's drafter and eval_tau_best its tau. The fresh start sets it aside with the checkpoints."""
+    out = tmp_path / "run"
+    earlier = out / "export-best"
+    earlier.mkdir(parents=True)
+    (earlier / "eval.json").write_text(json.dumps({"step": 1, "eval_tau": 99.0}))
+
+    def sigterm_during_step_4(run):
+        if run.step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    overrides = eval_overrides(prompt_files)
+    hooks = TrainHooks(after_backward=sigterm_during_step_4)
+    assert train(tiny_config(task, out, "checkpoint.resume=never", *overrides), hooks)["step"] == 4
+    train(tiny_config(task, out, *overrides))
+    evaluated = [r for r in metric_rows(out) if "eval_tau" in r]
+    assert [r["step"] for r in evaluated] == [5, 10, 12]
+    best = max(evaluated, key=lambda r: r["eval_tau"])  # the first of equal maxima
+    assert json.loads((earlier / "eval.json").read_text())["step"] == best["step"]
+    assert evaluated[-1]["eval_tau_best"] == best["eval_tau"]

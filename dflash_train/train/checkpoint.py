@@ -84,13 +84,14 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 
 def set_aside_abandoned(
-    output_dir: str | Path, resumed: str | Path | None, step: int
+    output_dir: str | Path, resumed: str | Path | None, step: int, also: tuple[Path, ...] = ()
 ) -> tuple[list[str], Path | None]:
     """Rank 0, on a resume from ``resumed`` (step ``step``) named by path: move output_dir's committed
     checkpoints of later steps (and of the same step, unless it is ``resumed``) into
     ``checkpoints/abandoned-<time>/``. They belong to the run that was abandoned; left in place,
     ``keep_last`` would keep them over the new run's and ``resume: auto`` would jump back onto them.
-    A fresh start (``resumed`` None, ``step`` 0) abandons every committed checkpoint.
+    A fresh start (``resumed`` None, ``step`` 0) abandons every committed checkpoint. ``also``: other
+    paths of the abandoned run moved with them where they exist (a fresh start's earlier export-best).
 
     Returns the names moved and the folder they are in (None when nothing was moved).
     """
@@ -100,7 +101,7 @@ def set_aside_abandoned(
         for p in committed_checkpoints(output_dir)
         if (found := int(STEP_DIR.match(p.name).group(1))) > step
         or (found == step and p.resolve() != resumed)
-    ]
+    ] + [p for p in also if os.path.lexists(p)]
     if not later:
         return [], None
     root = checkpoints_root(output_dir)
@@ -108,7 +109,7 @@ def set_aside_abandoned(
     aside, n = root / stamp, 1
     while aside.exists():  # two resumes within a second
         aside, n = root / f"{stamp}.{n}", n + 1
-    aside.mkdir()
+    aside.mkdir(parents=True)  # a run may leave an export-best and no checkpoint
     for p in later:
         os.replace(p, aside / p.name)
     _fsync_dir(aside)

@@ -345,10 +345,16 @@ def set_aside_abandoned(run: Run, path: Path | None, step: int) -> None:
     """A resume from a named checkpoint abandons the output_dir's later ones, and a fresh start
     (``path`` None, ``step`` 0) every one: rank 0 moves them aside (``ckpt.set_aside_abandoned``)
     and says so; every rank fails together if it cannot."""
+    from dflash_train.train.heldout_eval import BEST_DIR
+
+    # A fresh start's earlier export-best too: a resume before this run's first evaluation would
+    # take its tau (an evaluation of a step it may precede) for this run's best so far.
+    out = Path(run.cfg.output_dir)
+    earlier = (out / BEST_DIR, out / f".{BEST_DIR}.old") if path is None else ()
     moved, aside, error = [], None, None
     if run.info.is_main:
         try:
-            moved, aside = ckpt.set_aside_abandoned(run.cfg.output_dir, path, step)
+            moved, aside = ckpt.set_aside_abandoned(out, path, step, also=earlier)
         except OSError as err:
             error = err
     if any_rank_flags([error is not None], run.info.device, group=run.group)[0]:
@@ -360,7 +366,8 @@ def set_aside_abandoned(run: Run, path: Path | None, step: int) -> None:
     if moved and path is None:
         log_main(
             f"checkpoint.resume=never: set aside the earlier run's checkpoints {', '.join(moved)} in "
-            f"{aside}, so checkpoint.keep_last and a later resume: auto cannot pick them"
+            f"{aside}, so checkpoint.keep_last and a later resume: auto cannot pick them (nor its "
+            "export-best be taken for this run's best)"
         )
     elif moved:
         log_main(
