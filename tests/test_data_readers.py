@@ -77,6 +77,29 @@ def test_directory_and_parquet_sources(tmp_path):
     assert [r.where for r in rows][1:3] == [f"{folder / 'c.parquet'} row 0", f"{folder / 'c.parquet'} row 1"]
 
 
+def test_a_folder_leaves_out_what_regen_and_synth_write_beside_their_rows(tmp_path, capsys):
+    """regen's failed rows hold the original replies, synth's held-out prompts must never be trained
+    on or regenerated for training, and synth's state is not rows: a folder given as data skips them
+    and says so; named as a file, one is read."""
+    folder = tmp_path / "data"
+    (folder / "prompts.heldout").mkdir(parents=True)
+    write_lines(folder / "regen.jsonl", [GOOD])
+    write_lines(folder / "regen.failed.jsonl", [GOOD])
+    write_lines(folder / "prompts.jsonl", [GOOD])
+    (folder / "prompts.jsonl.state.json").write_text("{}")
+    write_lines(folder / "prompts.heldout" / "code.jsonl", [GOOD])
+    assert expand_paths([str(folder)]) == [str(folder / "prompts.jsonl"), str(folder / "regen.jsonl")]
+    told = capsys.readouterr().err
+    for name, why in [
+        ("regen.failed.jsonl", "failed rows"),
+        ("prompts.jsonl.state.json", "resume state"),
+        ("code.jsonl", "held-out prompts"),
+    ]:
+        assert name in told and why in told
+    assert expand_paths([str(folder / "regen.failed.jsonl")]) == [str(folder / "regen.failed.jsonl")]
+    assert expand_paths([str(folder / "prompts.heldout")]) == [str(folder / "prompts.heldout" / "code.jsonl")]
+
+
 def test_json_array_file_is_read_lazily(tmp_path):
     path = tmp_path / "rows.json"
     path.write_text(json.dumps([GOOD, GOOD, GOOD]))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,12 @@ SHAREGPT_ROLES = {
 JSONL_SUFFIXES = (".jsonl", ".json")
 DATASET_SUFFIXES = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv", ".json": "json"}
 DIRECTORY_SUFFIXES = (".jsonl", ".json", ".parquet")
+# What regen and synth write beside an output that is not its rows: regen's failed rows (their source
+# rows, with the original replies in them), synth's resume state and its held-out prompts' folder. A
+# folder given as data skips them, saying so; named as a file, one is read.
+FAILED_ROWS_SUFFIX = ".failed.jsonl"
+STATE_SUFFIX = ".state.json"
+HELDOUT_DIR_SUFFIX = ".heldout"
 # Stored token ids of an assistant message (lists of ids): what the target generated and the prompt
 # it was given, in full or as the tail after what it shares with the previous reply's.
 TOKEN_ID_KEYS = ("token_ids", "prompt_token_ids", TAIL)
@@ -74,10 +81,39 @@ def reads_by_line(file: str) -> bool:
 # ----------------------------------------------------------------------------- sources
 
 
+def failed_rows_path(output: str | Path) -> Path:
+    """``regen.jsonl`` -> ``regen.failed.jsonl``: the rows regen could not regenerate."""
+    return Path(str(output).removesuffix(".jsonl") + FAILED_ROWS_SUFFIX)
+
+
+def state_path(output: str | Path) -> Path:
+    """``prompts.jsonl`` -> ``prompts.jsonl.state.json``: what a synth rerun continues from."""
+    return Path(str(output) + STATE_SUFFIX)
+
+
+def default_heldout_dir(output: str | Path) -> Path:
+    """``prompts.jsonl`` -> ``prompts.heldout/``: synth's held-out prompts by task."""
+    path = Path(output)
+    return path.with_name(path.name.removesuffix(".jsonl") + HELDOUT_DIR_SUFFIX)
+
+
+def not_rows(file: Path, folder: Path) -> str | None:
+    """Why ``file``, found under the data ``folder``, is not training rows (None when it is)."""
+    if file.name.endswith(FAILED_ROWS_SUFFIX):
+        return "regen's failed rows, with their original replies"
+    if file.name.endswith(STATE_SUFFIX):
+        return "synth's resume state"
+    if any(part.endswith(HELDOUT_DIR_SUFFIX) for part in file.relative_to(folder).parent.parts):
+        return "synth's held-out prompts"
+    return None
+
+
 def expand_paths(paths: list[str]) -> list[str]:
     """Files and directories (recursively: *.jsonl, *.json, *.parquet) to a sorted file list.
 
-    A path that does not exist is kept as is: it is taken for a hub dataset name.
+    A directory's files that regen or synth wrote beside their outputs and that are not rows
+    (``not_rows``) are left out, each named on stderr. A path that does not exist is kept as is: it
+    is taken for a hub dataset name.
     """
     if not paths:
         raise ValueError(
@@ -87,9 +123,16 @@ def expand_paths(paths: list[str]) -> list[str]:
     for path in paths:
         p = Path(path)
         if p.is_dir():
-            found = sorted(str(f) for f in p.rglob("*") if f.is_file() and f.suffix in DIRECTORY_SUFFIXES)
+            found = []
+            for f in sorted(p.rglob("*"), key=str):
+                if not f.is_file() or f.suffix not in DIRECTORY_SUFFIXES:
+                    continue
+                if reason := not_rows(f, p):
+                    print(f"data: not reading {f} ({reason}); name it as a file to read it", file=sys.stderr)
+                else:
+                    found.append(str(f))
             if not found:
-                raise ValueError(f"{path}: directory has no *.jsonl/*.json/*.parquet files")
+                raise ValueError(f"{path}: directory has no *.jsonl/*.json/*.parquet files of rows")
             files.extend(found)
         else:
             files.append(str(p) if p.exists() else path)

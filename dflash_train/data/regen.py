@@ -35,7 +35,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from dflash_train.data.readers import ChatRow, expand_paths, iter_chat_rows
+from dflash_train.data.readers import ChatRow, expand_paths, failed_rows_path, iter_chat_rows
 from dflash_train.data.regen_options import RegenOptions
 from dflash_train.data.regen_turns import (
     THINKING,
@@ -63,7 +63,7 @@ def run_regen(opts: RegenOptions) -> dict[str, Any]:
 
     output = Path(opts.output)
     done = read_done_keys(output, regen_settings(opts))
-    failed_path = Path(str(output).removesuffix(".jsonl") + ".failed.jsonl")
+    failed_path = failed_rows_path(output)
     skips = SkipCounts(max_bad_rows=opts.max_bad_rows)
     rows = iter_chat_rows(input_files(opts, output, failed_path), skips, require_assistant=False)
     if opts.max_rows:

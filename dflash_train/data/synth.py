@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_train.data.prompt_filters import REASONS, PromptFilter
+from dflash_train.data.readers import default_heldout_dir, state_path
 from dflash_train.data.special_tokens import (
     SENTINEL,
     end_of_turn_id,
@@ -46,7 +47,6 @@ from dflash_train.data.synth_tasks import (
     TASK_KEY_SHIFT,
     SynthTask,
     apportion,
-    default_heldout_dir,
     heldout_path,
     resolve_tasks,
     sample_budgets,
@@ -289,9 +289,9 @@ def run_synth(opts: SynthOptions) -> dict[str, Any]:
     """Synthesize ``opts.num_rows`` prompt rows (and the held-out ones) into ``opts.output``."""
     tasks = resolve_tasks(opts.task_file, opts.system, opts.turns)
     names = [t.name for t in tasks]
-    output, state_path = Path(opts.output), Path(str(opts.output) + ".state.json")
+    output, state_file = Path(opts.output), state_path(opts.output)
     heldout = heldout_files(opts, names)
-    state = load_state(output, heldout, state_path, settings(opts, tasks), names)
+    state = load_state(output, heldout, state_file, settings(opts, tasks), names)
     progress = [state["tasks"][name] for name in names]
     synth = Synthesizer(opts, tasks)
     synth.remember(read_rows(output), heldout=False)
@@ -304,7 +304,7 @@ def run_synth(opts: SynthOptions) -> dict[str, Any]:
     output.parent.mkdir(parents=True, exist_ok=True)
     # Counted before any row is written: a kill between a batch's rows and its state then leaves
     # rows that the rerun cuts and redraws, never rows without a state file.
-    save_state(state_path, state)
+    save_state(state_file, state)
     files = {None: output} | heldout  # each file is created by its first row
     bar = ProgressBar(opts.num_rows, progress, synth.generator)
     # Every task's held-out rows first: each training row is then checked against all of them.
@@ -330,7 +330,7 @@ def synth_phase(synth, opts, state, files, bar, phase: str, targets: list[int], 
             append_rows(path, lines.get(name, []))
         for f, p in zip(synth.filters, progress):
             p["filtered"] = f.summary()
-        save_state(Path(str(opts.output) + ".state.json"), state)
+        save_state(state_path(opts.output), state)
         bar.show()
 
 

@@ -194,9 +194,3 @@ def schedule(tasks: list[SynthTask], progress: list[dict], needs: list[int], bud
 def heldout_path(heldout_dir: Path, task: str) -> Path:
     """Where a task's held-out prompts go: ``HELDOUT_DIR/<task>.jsonl``."""
     return heldout_dir / f"{task}.jsonl"
-
-
-def default_heldout_dir(output: str) -> Path:
-    """``prompts.jsonl`` -> ``prompts.heldout/``."""
-    path = Path(output)
-    return path.with_name(path.name.removesuffix(".jsonl") + ".heldout")
