@@ -231,6 +231,8 @@ def test_resume_refuses_a_changed_drafter_naming_the_key(task, four_step_run, tm
         ("data.packing=true", "data.packing"),
         ("data.thinking=false", "data.thinking"),
         ("train.dtype=bfloat16", "train.dtype"),
+        ("train.lr=1e-3", "train.lr"),
+        ("train.betas=[0.9,0.99]", "train.betas"),
     ],
 )
 def test_resume_refuses_changed_data_or_numerics_naming_the_key(task, four_step_run, tmp_path, change, key):
@@ -243,6 +245,20 @@ def test_resume_refuses_changed_data_or_numerics_naming_the_key(task, four_step_
 def test_allowed_change_of_dtype_resumes(task, four_step_run, tmp_path):
     allow = "checkpoint.allow_changed=[train.dtype]"
     assert resume_copy(task, four_step_run, tmp_path, "train.dtype=bfloat16", allow)["step"] == 4
+
+
+def test_an_allowed_change_of_the_learning_rate_applies_from_the_resumed_step(task, four_step_run, tmp_path):
+    """The optimizer and scheduler states hold the LR they were saved with: an allowed train.lr must
+    replace it (it was ignored, the run went on at the checkpoint's LR)."""
+    lr_at_step_5 = {}
+    for lr in ("3e-3", "6e-3"):  # the four-step run's LR, then twice it
+        out = tmp_path / lr
+        shutil.copytree(four_step_run, out)
+        allow = "checkpoint.allow_changed=[train.max_steps,train.lr]"
+        train(tiny_config(task, out, "train.max_steps=6", f"train.lr={lr}", allow))
+        lr_at_step_5[lr] = next(r["lr"] for r in metric_rows(out) if r["step"] == 5)
+    assert lr_at_step_5["3e-3"] > 0
+    assert lr_at_step_5["6e-3"] == pytest.approx(2 * lr_at_step_5["3e-3"], rel=1e-6)
 
 
 def test_allowed_change_of_shape_still_fails_with_a_clear_message(task, four_step_run, tmp_path):

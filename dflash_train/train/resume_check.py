@@ -35,6 +35,9 @@ RESUME_CRITICAL = (
     "train.num_epochs",
     "train.grad_accum",
     "train.lr_schedule",
+    "train.lr",  # the optimizer's settings: an allowed change applies from the resumed step on
+    "train.betas",
+    "train.weight_decay",
     "train.seed",
     "train.anchors_per_token",  # anchors of a packed row
     "train.lookup_anchor_weight",  # which anchors are drawn

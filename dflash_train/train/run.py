@@ -291,6 +291,7 @@ def maybe_resume(run: Run) -> None:
     else:  # the older single-file layout: full state, loaded on every rank
         ckpt.load_model_state(run.model, loaded["drafter_state"], run.optimizer, state["optimizer"], path)
     run.scheduler.load_state_dict(state["scheduler"])
+    apply_optimizer_settings(run)
     run.data.load_state_dict(data_position(run, state, loaded["config"]))
     run.counters.update(state["counters"])
     torch.set_rng_state(state["rng"]["torch"])
@@ -298,6 +299,18 @@ def maybe_resume(run: Run) -> None:
     run.step = state["step"]
     run.owed_eval_step = state.get("owed_eval_step")  # older checkpoints: none
     log_main(f"resumed from {path} at step {run.step}")
+
+
+def apply_optimizer_settings(run: Run) -> None:
+    """The recipe's ``train.lr``, ``train.betas`` and ``train.weight_decay`` over the checkpoint's:
+    the optimizer and scheduler states restore the values they were saved with, so a change the
+    resume check allowed (``checkpoint.allow_changed``) would otherwise be ignored. Unchanged, they
+    are the same values."""
+    t = run.cfg.train
+    run.scheduler.base_lrs = [t.lr] * len(run.optimizer.param_groups)
+    for group, multiplier in zip(run.optimizer.param_groups, run.scheduler.lr_lambdas, strict=True):
+        lr = t.lr * multiplier(run.scheduler.last_epoch)
+        group.update(initial_lr=t.lr, lr=lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
 
 
 def read_checkpoint(run: Run, path: Path) -> dict[str, Any]:
