@@ -17,7 +17,7 @@ from dflash_train.train import checkpoint as ckpt
 from dflash_train.train.trainer import TrainHooks, train
 from tests import test_heldout_eval
 from tests.test_heldout_eval import eval_overrides
-from tests.train_helpers import tiny_config, tiny_overrides
+from tests.train_helpers import tiny_config, tiny_overrides, train_stopped_by_sigterm
 
 # The held-out prompt files of test_heldout_eval, as a fixture here.
 prompt_files = test_heldout_eval.prompt_files
@@ -161,6 +161,17 @@ def test_a_sigterm_after_the_last_step_waits_for_the_final_commit_and_export(tas
     assert "SIGTERM received after the last step" in proc.stderr
     assert ckpt.latest_checkpoint(out).name == "step-00000004"
     assert (out / "export" / "config.json").is_file()
+
+
+def test_a_sigterm_during_the_last_step_without_an_evaluation_owed_says_the_run_is_finished(
+    task, tmp_path, capsys
+):
+    """It saves, exports and is done: telling the user to run the command again was wrong."""
+    result = train_stopped_by_sigterm(tiny_config(task, tmp_path / "run", "train.max_steps=4"), during_step=4)
+    assert (result["step"], result["finished"]) == (4, True) and result["export"]
+    told = capsys.readouterr().out
+    assert "SIGTERM during the last step" in told and "the run is finished" in told
+    assert "not finished" not in told
 
 
 def test_a_resume_from_a_named_checkpoint_sets_the_abandoned_later_ones_aside(task, tmp_path, capsys):

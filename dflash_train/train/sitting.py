@@ -197,14 +197,17 @@ def append_sitting(output_dir: str | Path, row: dict[str, Any]) -> None:
 
 
 def stop_message(reason: str, saved: Path | None, step: int, total: int, owed_eval: bool = False) -> str:
-    """What a sitting that ended before the run's end prints (``owed_eval``: it stopped on a held-out
-    evaluation step, whose evaluation the next process runs first)."""
+    """What a sitting that was asked to stop prints (``owed_eval``: it stopped on a held-out
+    evaluation step, whose evaluation the next process runs first). Asked during the last step with
+    no evaluation owed, the run is finished (``Run.finished``): it exports and nothing is left to run."""
     why = {
         "time_limit": "train.time_limit_s reached",
         "steps_per_process": "train.steps_per_process reached",
         "signal": "SIGTERM",
         "another_rank": "another rank voted to stop (SIGTERM or its time limit)",
     }.get(reason, reason)
+    if step >= total and not owed_eval:
+        return f"{why} during the last step: saved {saved} at step {step} of {total}; the run is finished"
     owed = f"; the held-out evaluation of step {step} runs first" if owed_eval else ""
     return (
         f"{why}: saved {saved} at step {step} of {total}; the run is not finished: run the same command "
