@@ -310,7 +310,11 @@ def test_a_fresh_start_sets_the_earlier_runs_checkpoints_aside(task, tmp_path, c
     assert train(tiny_config(task, out, "checkpoint.resume=never"), hooks)["step"] == 6
     log = capsys.readouterr().out
     assert [p.name for p in ckpt.committed_checkpoints(out)] == ["step-00000004", "step-00000006"]
-    assert "set aside the earlier run's checkpoints step-00000008, step-00000012 in" in log
+    assert "set aside the earlier run's step-00000008, step-00000012, sittings.jsonl in" in log
+    # The earlier run's sittings went with them: the new run's log starts at its own first sitting.
+    sittings = [json.loads(line) for line in (out / "sittings.jsonl").read_text().splitlines()]
+    assert [(r["sitting"], r["start_step"]) for r in sittings] == [(1, 0)]
+    assert len(list((out / "checkpoints").glob("abandoned-*/sittings.jsonl"))) == 1
     executed = []
     train(tiny_config(task, out), step_recorder(executed))
     assert executed == list(range(7, 13))

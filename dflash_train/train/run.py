@@ -359,11 +359,13 @@ def set_aside_abandoned(run: Run, path: Path | None, step: int) -> None:
     (``path`` None, ``step`` 0) every one: rank 0 moves them aside (``ckpt.set_aside_abandoned``)
     and says so; every rank fails together if it cannot."""
     from dflash_train.train.heldout_eval import BEST_DIR
+    from dflash_train.train.sitting import SITTINGS_LOG
 
-    # A fresh start's earlier export-best too: a resume before this run's first evaluation would
-    # take its tau (an evaluation of a step it may precede) for this run's best so far.
+    # A fresh start's earlier export-best and sittings log too: a resume before this run's first
+    # evaluation would take that tau (of a step it may precede) for this run's best so far, and the
+    # first sitting would budget its saves by the earlier run's (maybe of another drafter).
     out = Path(run.cfg.output_dir)
-    earlier = (out / BEST_DIR, out / f".{BEST_DIR}.old") if path is None else ()
+    earlier = (out / BEST_DIR, out / f".{BEST_DIR}.old", out / SITTINGS_LOG) if path is None else ()
     moved, aside, error = [], None, None
     if run.info.is_main:
         try:
@@ -378,9 +380,9 @@ def set_aside_abandoned(run: Run, path: Path | None, step: int) -> None:
         ) from error
     if moved and path is None:
         log_main(
-            f"checkpoint.resume=never: set aside the earlier run's checkpoints {', '.join(moved)} in "
-            f"{aside}, so checkpoint.keep_last and a later resume: auto cannot pick them (nor its "
-            "export-best be taken for this run's best)"
+            f"checkpoint.resume=never: set aside the earlier run's {', '.join(moved)} in {aside}, so "
+            "checkpoint.keep_last and a later resume: auto cannot pick its checkpoints, nor this run "
+            "take its export-best or sittings for its own"
         )
     elif moved:
         log_main(
