@@ -450,3 +450,32 @@ def test_a_rerun_over_a_folder_that_holds_the_output_does_not_read_it_back(tiny_
     again = run_regen(regen_args(tiny_hybrid_dir, data, output))
     assert again["rows_done"] == 0 and again["rows_skipped"] == 3
     assert len(read_jsonl(output)) == 3
+
+
+def test_a_row_the_chat_template_refuses_fails_alone_into_the_failed_rows(tmp_path):
+    """Qwen3.5's template raises on a system message after the first turn: the in-process engines
+    ended the whole run there (and every rerun at the same row), where the endpoint fails that row."""
+    from dflash_train.tiny import build_tiny_target
+    from tests.chat_families import qwen_tokenizer, save_with
+
+    tok = qwen_tokenizer("qwen3.5")
+    save_with(tmp_path / "t", build_tiny_target("qwen3", vocab_size=len(tok), seed=0), tok)
+    refused = {
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "old"},
+            {"role": "system", "content": "late system turn"},
+            {"role": "user", "content": "more"},
+            {"role": "assistant", "content": "old"},
+        ]
+    }
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in [ROWS[3], refused, ROWS[2]]))
+    output = tmp_path / "regen.jsonl"
+    result = run_regen(regen_args(tmp_path / "t", data, output))
+    assert result["rows_done"] == 2 and result["rows_failed"] == 1
+    assert [r["regen"]["line"] for r in read_jsonl(output)] == [1, 3]
+    (failed,) = read_jsonl(tmp_path / "regen.failed.jsonl")
+    assert failed["line"] == 2 and failed["messages"] == refused["messages"]
+    assert failed["reason"].startswith("assistant turn 1: the chat template fails")
+    assert "System message must be at the beginning" in failed["reason"]

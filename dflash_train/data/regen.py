@@ -21,6 +21,7 @@ file are never read back as input.
 Engines: ``transformers`` (in process, what ``--engine auto`` runs: ``generate.engine``'s continuous
 batching over ``--batch-size`` slots, CUDA graphs on GPU), ``vllm`` (offline, with ``--engine vllm``) and ``endpoint`` (any OpenAI-compatible server, ``data.endpoint``;
 rows that keep failing go to ``OUTPUT.failed.jsonl`` with their reason, rewritten by every run).
+In every engine, a row whose conversation the chat template refuses fails alone into that file.
 """
 
 from __future__ import annotations
@@ -262,20 +263,29 @@ def chunked(items: list, size: int) -> Iterator[list]:
 def regenerate(engine, rows: list[ChatRow]) -> list[tuple]:
     """Regenerate a batch turn by turn: turn t of every row is generated in one engine call.
 
-    Each result is ``(row, messages, finished, None, round_trip)``; ``round_trip`` holds per turn
-    None where the stored text re-tokenizes to the generated ids, else where it does not.
+    Each result is ``(row, messages, finished, error, round_trip)``; ``error`` is None, or why the
+    row failed (a conversation the chat template refuses: ``render_prompts``); ``round_trip`` holds
+    per turn None where the stored text re-tokenizes to the generated ids, else where it does not.
     """
     conversations: list[list[dict]] = [[] for _ in rows]
     cursors = [0] * len(rows)
     finished: list[list[bool]] = [[] for _ in rows]
     round_trip: list[list[str | None]] = [[] for _ in rows]
+    errors: list[str | None] = [None] * len(rows)  # a failed row takes no further turns
     while True:
-        waiting = [i for i, row in enumerate(rows) if advance_to_reply(row, conversations[i], cursors, i)]
+        waiting = [
+            i
+            for i, row in enumerate(rows)
+            if errors[i] is None and advance_to_reply(row, conversations[i], cursors, i)
+        ]
         if not waiting:
             break
         keys = [turn_key(rows[i], len(finished[i])) for i in waiting]
         replies = engine.generate([conversations[i] for i in waiting], keys)
         for i, reply in zip(waiting, replies):
+            if reply.error:
+                errors[i] = f"assistant turn {len(finished[i])}: {reply.error}"
+                continue
             conversations[i].append(assistant_message(reply, conversations[i]))
             finished[i].append(reply.finished)
             if reply.token_ids is not None:
@@ -285,7 +295,7 @@ def regenerate(engine, rows: list[ChatRow]) -> list[tuple]:
                     )
                 )
             cursors[i] += 1  # past the original assistant turn (or the end of a row ending unanswered)
-    return [(*result, None, trips) for *result, trips in zip(rows, conversations, finished, round_trip)]
+    return list(zip(rows, conversations, finished, errors, round_trip))
 
 
 def build_engine(opts: RegenOptions):
@@ -329,13 +339,10 @@ class TransformersEngine:
         return regenerate(self, rows)
 
     def generate(self, conversations: list[list[dict]], keys: list[int]) -> list[Reply]:
-        prompts = [
-            self.tokenizer.apply_chat_template(
-                c, tokenize=False, add_generation_prompt=True, **self.template_kwargs
-            )
-            for c in conversations
-        ]
-        ids = [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        prompts = render_prompts(self.tokenizer, conversations, self.template_kwargs)
+        return generate_rendered(self.generate_ids, prompts, keys)
+
+    def generate_ids(self, ids: list[list[int]], keys: list[int]) -> list[Reply]:
         generations = self.generator.generate(
             ids,
             keys,
@@ -345,6 +352,35 @@ class TransformersEngine:
             sampling=self.sampling,
         )
         return [reply_from_ids(self.tokenizer, g.token_ids, g.finished, p) for g, p in zip(generations, ids)]
+
+
+def render_prompts(tokenizer, conversations: list[list[dict]], kwargs: dict) -> list[list[int] | str]:
+    """Each conversation's generation prompt ids, or (a str) why the chat template refuses it (Qwen3.5
+    raises on a system message after the first turn, Mistral's on roles that do not alternate): that
+    row fails alone, into the failed-rows file, as a server's refusal fails it at an endpoint."""
+    prompts: list[list[int] | str] = []
+    for conversation in conversations:
+        try:
+            text = tokenizer.apply_chat_template(
+                conversation, tokenize=False, add_generation_prompt=True, **kwargs
+            )
+        except Exception as err:  # jinja raises many types, incl. raise_exception() in templates
+            prompts.append(f"the chat template fails on the conversation: {type(err).__name__}: {err}")
+        else:
+            prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return prompts
+
+
+def generate_rendered(generate_ids, prompts: list[list[int] | str], keys: list[int]) -> list[Reply]:
+    """``generate_ids(ids, keys) -> replies`` over the prompts that rendered; the others' replies
+    carry their template error."""
+    replies = [Reply("", False, error=p) if isinstance(p, str) else None for p in prompts]
+    rendered = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
+    if rendered:
+        generated = generate_ids([prompts[i] for i in rendered], [keys[i] for i in rendered])
+        for i, reply in zip(rendered, generated, strict=True):
+            replies[i] = reply
+    return replies
 
 
 def reply_from_ids(tokenizer, token_ids: list[int], finished: bool, prompt_ids: list[int]) -> Reply:
@@ -386,14 +422,12 @@ class VllmEngine:
         return regenerate(self, rows)
 
     def generate(self, conversations: list[list[dict]], keys: list[int]) -> list[Reply]:
+        prompts = render_prompts(self.tokenizer, conversations, self.template_kwargs)
+        return generate_rendered(self.generate_ids, prompts, keys)
+
+    def generate_ids(self, ids: list[list[int]], keys: list[int]) -> list[Reply]:
         from vllm import SamplingParams
 
-        prompts = [
-            self.tokenizer.apply_chat_template(
-                c, tokenize=False, add_generation_prompt=True, **self.template_kwargs
-            )
-            for c in conversations
-        ]
         params = [
             SamplingParams(
                 temperature=self.opts.temperature,
@@ -405,10 +439,8 @@ class VllmEngine:
             for key in keys
         ]
         # Token ids, not text: vLLM would add a second BOS to a template that already writes one.
-        ids = [
-            {"prompt_token_ids": self.tokenizer(p, add_special_tokens=False)["input_ids"]} for p in prompts
-        ]
-        outputs = self.llm.generate(ids, params, use_tqdm=False)
+        prompts = [{"prompt_token_ids": p} for p in ids]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
         return [self.reply(o.outputs[0], o.prompt_token_ids) for o in outputs]
 
     def reply(self, completion, prompt_ids: list[int]) -> Reply:
