@@ -32,8 +32,9 @@ class TinyServer:
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
         self.api_key, self.always_fail, self.fail_first = api_key, set(), Counter()
         self.prompt_token_offset, self.requests = 0, Counter()
-        # Prompts answered with a null message, or with a body cut short (the connection closes early).
-        self.null_message, self.torn = set(), set()
+        # Prompts answered with a null message, with a body cut short (the connection closes early), or
+        # with a body its Content-Encoding header says is gzip that is not.
+        self.null_message, self.torn, self.garbled = set(), set(), set()
         # Prompts never answered (until close), or whose connection is reset (RST) without an answer.
         self.hang, self.reset, self.released = set(), set(), threading.Event()
         self.lock = threading.Lock()
@@ -48,10 +49,12 @@ class TinyServer:
             def log_message(self, *args):  # keep pytest output clean
                 pass
 
-            def reply(self, code, body, torn=False):
+            def reply(self, code, body, torn=False, garbled=False):
                 data = json.dumps(body).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
+                if garbled:
+                    self.send_header("Content-Encoding", "gzip")
                 self.send_header("Content-Length", str(len(data) + 100 * torn))  # torn: promises more
                 self.end_headers()
                 self.wfile.write(data)
@@ -83,7 +86,7 @@ class TinyServer:
                         self.close_connection = True
                     return
                 code, answer = server.complete(body)
-                self.reply(code, answer, torn=body["messages"][-1]["content"] in server.torn)
+                self.reply(code, answer, torn=last in server.torn, garbled=last in server.garbled)
 
         return Handler
 
@@ -257,3 +260,19 @@ def test_a_hung_or_reset_request_is_retried_then_fails_only_its_row(
     assert "ReadTimeout" in reasons[3] and "after 2 retries" in reasons[3]
     assert "after 2 retries" in reasons[4]
     assert server.requests["flaky"] == 3 and server.requests["doomed"] == 3
+
+
+def test_a_body_that_does_not_decode_is_retried_then_fails_only_its_row(
+    server, tiny_qwen3_dir, chat_file, tmp_path, monkeypatch
+):
+    """A body that is not what its Content-Encoding says (a proxy's broken gzip) raised httpx's
+    DecodingError, which is no TransportError: it escaped the row's worker and ended the run."""
+    monkeypatch.setattr("dflash_train.data.endpoint.MAX_BACKOFF_S", 0.0)
+    server.garbled.add("doomed")
+    output = tmp_path / "regen.jsonl"
+    result = run_regen(endpoint_options(tiny_qwen3_dir, chat_file, output, server.url))
+    assert result["rows_done"] == 3 and result["rows_failed"] == 1
+    (failed,) = read_jsonl(tmp_path / "regen.failed.jsonl")
+    assert failed["line"] == 4 and "DecodingError" in failed["reason"]
+    assert "after 2 retries" in failed["reason"]
+    assert server.requests["doomed"] == 3

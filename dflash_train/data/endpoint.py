@@ -11,7 +11,8 @@ flight.
   local tokenizer's count for the same conversation (the local chat template with the generation
   prompt); otherwise the server renders another template and regen refuses with both counts.
 - Retries: every transport failure (refused, reset or closed connection, a body cut short, no
-  answer within ``--timeout-s``: httpx's ``TransportError``), a reply that is not JSON, HTTP 429 and
+  answer within ``--timeout-s``: httpx's ``TransportError``), a body that does not decode as its
+  ``Content-Encoding`` says (``DecodingError``), a reply that is not JSON, HTTP 429 and
   5xx are retried with exponential backoff (1 s, 2 s, 4 s, ... capped at 30 s) up to ``--retries``
   times; other HTTP statuses (redirects included: they are not followed) fail the row at once. A
   failed row is reported with its reason (``OUTPUT.failed.jsonl``), never dropped silently.
@@ -89,9 +90,9 @@ class EndpointEngine:
         method = "GET" if payload is None else "POST"
         try:
             response = self.client.request(method, path, json=payload, timeout=timeout)
-        except (
-            httpx.TransportError
-        ) as err:  # refused, reset, closed, cut short, timed out: may pass next time
+        # refused, reset, closed, cut short, timed out, a body that does not decode as its
+        # Content-Encoding says (a DecodingError is no TransportError): may pass next time
+        except (httpx.TransportError, httpx.DecodingError) as err:
             raise RequestError(f"{type(err).__name__}: {err}", True) from err
         if not response.is_success:
             code = response.status_code
