@@ -276,3 +276,29 @@ def test_a_body_that_does_not_decode_is_retried_then_fails_only_its_row(
     assert failed["line"] == 4 and "DecodingError" in failed["reason"]
     assert "after 2 retries" in failed["reason"]
     assert server.requests["doomed"] == 3
+
+
+def test_a_first_row_the_local_template_refuses_fails_alone(tmp_path, monkeypatch):
+    """The server check rendered the first row locally: one the template refuses (Qwen3.5, a system
+    turn after the first) raised the template's error and ended the run before any row."""
+    from dflash_train.tiny import build_tiny_target
+    from tests.chat_families import qwen_tokenizer, save_with
+
+    monkeypatch.setattr("dflash_train.data.endpoint.MAX_BACKOFF_S", 0.0)
+    tok = qwen_tokenizer("qwen3.5")
+    save_with(tmp_path / "t", build_tiny_target("qwen3", vocab_size=len(tok), seed=0), tok)
+    late_system = [
+        {"role": "user", "content": "a"},
+        {"role": "system", "content": "b"},
+        {"role": "user", "content": "c"},
+    ]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in [late_system, ROWS[1]["messages"]]))
+    srv = TinyServer(tmp_path / "t")
+    try:
+        result = run_regen(endpoint_options(tmp_path / "t", data, tmp_path / "regen.jsonl", srv.url))
+    finally:
+        srv.close()
+    assert result["rows_done"] == 1 and result["rows_failed"] == 1
+    (failed,) = read_jsonl(tmp_path / "regen.failed.jsonl")
+    assert failed["line"] == 1
