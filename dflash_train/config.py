@@ -125,6 +125,10 @@ class CheckpointConfig:
     keep_last: int = 2
     # Write checkpoints on a background thread (the state is snapshotted first); false = inline.
     async_write: bool = True
+    # With async_write on CUDA: snapshot into one pinned host buffer kept for the run (DCP's cached
+    # stager, as torchtitan's async_with_pinned_mem) instead of fresh pageable memory at every save.
+    # Holds a second copy of this rank's drafter and optimizer state in page-locked host memory.
+    pinned_staging: bool = False
     # "auto" resumes from the newest committed checkpoint of output_dir, "never", or a path.
     resume: str = "auto"
     # Recipe knobs allowed to differ from the checkpoint's on resume (e.g. ["train.num_anchors"]).
@@ -266,6 +270,11 @@ def validate(cfg: RunConfig) -> None:
     if cfg.checkpoint.keep_last < 2:
         raise ValueError(
             f"checkpoint.keep_last={cfg.checkpoint.keep_last}: keep at least 2 so a crash during a save leaves a good one."
+        )
+    if cfg.checkpoint.pinned_staging and not cfg.checkpoint.async_write:
+        raise ValueError(
+            "checkpoint.pinned_staging=true stages the asynchronous write, but checkpoint.async_write=false: "
+            "set checkpoint.async_write=true, or checkpoint.pinned_staging=false."
         )
     for key, every in (("checkpoint", cfg.checkpoint.every_steps), ("logging", cfg.logging.every_steps)):
         if every < 1:  # unlike eval.every_steps, no "0 = at the end only": a step count >= 1

@@ -28,8 +28,8 @@ def checkpoint_figures(result: dict | None, log: str) -> dict:
         return {}
     figures = {}
     for mode, outcome in result["modes"].items():
-        if "error" in outcome:
-            figures[mode] = {"error": outcome["error"]}
+        if "error" in outcome or "not_run" in outcome:
+            figures[mode] = {"error": outcome.get("error") or f"not run: {outcome['not_run']}"}
             continue
         saves = outcome["saves"]
         figures[mode] = {

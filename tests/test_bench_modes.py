@@ -86,6 +86,18 @@ def test_checkpoint_mode_measures_each_save(save_mode, tmp_path, capsys):
     assert not (tmp_path / "scratch" / save_mode).exists()  # deleted when done
 
 
+def test_the_pinned_checkpoint_mode_needs_cuda(tmp_path, capsys, monkeypatch):
+    import dflash_train.bench.checkpoint as checkpoint
+
+    args = ["bench", "checkpoint", "--dir", str(tmp_path), "--saves", "1", "--device", "cpu"]
+    assert main([*args, "--save-mode", "dcp-async-pinned", "--no-progress", "--json"]) == 1
+    assert "--save-mode dcp-async-pinned needs CUDA (pinned host memory)" in capsys.readouterr().err
+    monkeypatch.setattr(checkpoint, "SAVE_MODES", ("dcp-async-pinned",))  # all: recorded as not run
+    assert run_json(args, capsys)["modes"] == {
+        "dcp-async-pinned": {"not_run": "needs CUDA (pinned host memory)"}
+    }
+
+
 def test_checkpoint_mode_all_runs_each_save_mode_in_its_own_process(tmp_path, capsys, monkeypatch):
     import dflash_train.bench.checkpoint as checkpoint
 

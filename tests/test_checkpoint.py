@@ -22,7 +22,7 @@ def write(out, step, writer=None, keep_last=2, value=0.0):
     model, optimizer = linear_state(value)
     staging = ckpt.clear_staging(out, step)
     state = ckpt.snapshot(ckpt.sharded_state(model, optimizer))
-    staged = ckpt.stage_shards(state, staging, asynchronous=writer.asynchronous)
+    staged = ckpt.stage_shards(state, staging, asynchronous=writer.asynchronous, stager=writer.stager)
     shards = ckpt.write_shards(staged, group=None)
     commit = dict(drafter_config={"block_size": 4}, train_state={"step": step}, config_yaml="output_dir: x\n")
     return writer.submit(out, step, shards=shards, keep_last=keep_last, **commit), model
@@ -76,6 +76,32 @@ def test_async_writer_commits_and_surfaces_errors(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         writer.close()
     assert ckpt.latest_checkpoint(tmp_path).name == "step-00000005"
+
+
+def test_a_pinned_staging_buffer_is_made_once_and_each_save_writes_its_own_step(tmp_path, monkeypatch):
+    """checkpoint.pinned_staging: one staged copy, made at the first save and refilled by each later
+    one; every checkpoint holds its own step's weights, not what the buffer held later. On a CPU the
+    pinning is stood in for (it needs CUDA)."""
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *args, **kwargs: self)
+    writer = ckpt.CheckpointWriter(asynchronous=True, pinned_staging=True)
+    saved, buffers = {}, []
+    for step, value in ((1, 2.0), (2, 5.0)):
+        path, model = write(tmp_path, step, writer=writer, value=value)
+        writer.wait()
+        saved[path] = model.weight.detach().clone()
+        buffers.append(writer.stager.state_dict_cache)
+    writer.close()
+    assert buffers[0] is not None and buffers[0] is buffers[1]
+    for path, weight in saved.items():
+        assert torch.equal(read_dcp_model_state(path / "model_optim")["weight"], weight)
+
+
+def test_pinned_staging_is_refused_where_it_cannot_run():
+    from dflash_train.config import CheckpointConfig
+
+    with pytest.raises(ValueError, match="pinned_staging=true needs CUDA.*pinned_staging=false"):
+        ckpt.CheckpointWriter.for_run(CheckpointConfig(pinned_staging=True), torch.device("cpu"))
 
 
 def test_snapshot_does_not_alias_live_tensors():

@@ -53,6 +53,10 @@ def test_wrong_type_names_key():
 def test_cross_field_errors_say_how_to_fix():
     with pytest.raises(ValueError, match="keep at least 2"):
         load_config("tiny-cpu", ["checkpoint.keep_last=1"])
+    with pytest.raises(
+        ValueError, match="pinned_staging=true stages the asynchronous write.*async_write=true"
+    ):
+        load_config("tiny-cpu", ["checkpoint.pinned_staging=true", "checkpoint.async_write=false"])
     # Once accepted by analogy with eval.every_steps=0: every step's `step % every_steps` then divided
     # by zero, so no checkpoint was ever written.
     for key in ("checkpoint", "logging"):

@@ -9,7 +9,9 @@ Three ways to save the same fp32 drafter and its AdamW state (both moments fille
   (``train/checkpoint.py``: ``sharded_state``, ``write_shards``, ``CheckpointWriter``) with
   ``checkpoint.async_write: false``: the stall is the whole save;
 - ``dcp-async``: the same with ``dcp.async_save`` (the default): the stall is the staging copy to
-  CPU; the write and the commit run on background threads.
+  CPU; the write and the commit run on background threads;
+- ``dcp-async-pinned``: the same with ``checkpoint.pinned_staging``: the copy goes into one pinned
+  host buffer made at the first save and refilled by the later ones (CUDA only).
 ``--save-mode all`` runs each in its own process (``dflash-train bench checkpoint --save-mode M``),
 so that one mode's peak host RSS cannot hide another's. Per save: ``stall_s``, ``wall_s``,
 ``peak_rss_gib`` (the process's VmHWM after resetting it, Linux) and ``checkpoint_bytes``. The first
@@ -38,7 +40,8 @@ import torch
 from dflash_train.bench.progress import StepLimits, StepProgress
 
 HELP = "Checkpoint saves at a drafter preset's shape: training stall, wall time, host RAM (gather, DCP, DCP async)."
-SAVE_MODES = ("gather", "dcp-sync", "dcp-async")
+SAVE_MODES = ("gather", "dcp-sync", "dcp-async", "dcp-async-pinned")
+CUDA_MODES = ("dcp-async-pinned",)
 PRESETS = ("qwen3.6-27b", "qwen3-8b", "tiny")
 # Seconds a child process may take beyond its saves' limits (imports, building the state).
 CHILD_START_S = 300.0
@@ -53,7 +56,7 @@ class CheckpointBenchOptions(StepLimits):
     # Drafter preset whose shape is saved.
     preset: str = "tiny"
     saves: int = 2
-    # gather, dcp-sync, dcp-async, or all (each in its own process).
+    # gather, dcp-sync, dcp-async, dcp-async-pinned, or all (each in its own process).
     save_mode: str = "all"
     device: str = "auto"
 
@@ -87,12 +90,18 @@ def run_checkpoint_bench(options: CheckpointBenchOptions) -> dict[str, Any]:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
     }
+    if options.save_mode in CUDA_MODES and device.type != "cuda":
+        raise ValueError(f"--save-mode {options.save_mode} needs CUDA (pinned host memory); this is {device}")
     if options.save_mode != "all":
         return {**header, **run_save_mode(options, device)}
-    modes = {}
+    modes: dict[str, Any] = {}
+    skipped = [mode for mode in SAVE_MODES if mode in CUDA_MODES and device.type != "cuda"]
     bar_only = dataclasses.replace(options, step_timeout_s=0)  # each child enforces its own limits
-    with StepProgress("checkpoint", len(SAVE_MODES), bar_only) as progress:
+    with StepProgress("checkpoint", len(SAVE_MODES) - len(skipped), bar_only) as progress:
         for mode in SAVE_MODES:
+            if mode in skipped:
+                modes[mode] = {"not_run": "needs CUDA (pinned host memory)"}
+                continue
             with progress.step(mode):
                 child = run_child(dataclasses.replace(options, save_mode=mode))
                 modes[mode] = {key: value for key, value in child.items() if key not in header}
@@ -123,7 +132,8 @@ def run_save_mode(options: CheckpointBenchOptions, device: torch.device) -> dict
     config, model, optimizer = build_state(options.preset, device)
     out = Path(options.dir) / options.save_mode
     shutil.rmtree(out, ignore_errors=True)
-    writer = ckpt.CheckpointWriter(asynchronous=options.save_mode == "dcp-async")
+    asynchronous = options.save_mode.startswith("dcp-async")
+    writer = ckpt.CheckpointWriter(asynchronous, pinned_staging=options.save_mode == "dcp-async-pinned")
     saves = []
     with StepProgress(f"checkpoint {options.save_mode}", options.saves, options) as progress:
         for step in range(1, options.saves + 1):
@@ -220,7 +230,9 @@ def save_dcp(out: Path, step: int, model, optimizer, config, writer) -> tuple[fl
     writer.wait()
     ckpt.clear_staging(out, step)
     state = ckpt.sharded_state(model, optimizer)
-    staged = ckpt.stage_shards(state, ckpt.staging_folder(out, step), asynchronous=writer.asynchronous)
+    staged = ckpt.stage_shards(
+        state, ckpt.staging_folder(out, step), asynchronous=writer.asynchronous, stager=writer.stager
+    )
     shards = ckpt.write_shards(staged, group=None)
     path = writer.submit(
         out, step, shards=shards, drafter_config=config.to_serving_dict(), train_state={"step": step},

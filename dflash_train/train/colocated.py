@@ -220,7 +220,7 @@ def build_run(cfg: RunConfig, info: DistInfo) -> Run:
         scheduler=build_scheduler(optimizer, cfg, total),
         data=data,
         total_steps=total,
-        writer=ckpt.CheckpointWriter(asynchronous=cfg.checkpoint.async_write),
+        writer=ckpt.CheckpointWriter.for_run(cfg.checkpoint, info.device),
     )
     maybe_resume(run)  # may keep another length: the one the checkpoint's run was planned with
     record_run_info(run, info.is_main, placement="colocated")

@@ -416,7 +416,7 @@ def new_drafter_run(
         data=data,
         total_steps=total,
         group=group,
-        writer=ckpt.CheckpointWriter(asynchronous=cfg.checkpoint.async_write),
+        writer=ckpt.CheckpointWriter.for_run(cfg.checkpoint, local.device),
     )
 
 
