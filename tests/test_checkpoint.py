@@ -97,6 +97,37 @@ def test_a_pinned_staging_buffer_is_made_once_and_each_save_writes_its_own_step(
         assert torch.equal(read_dcp_model_state(path / "model_optim")["weight"], weight)
 
 
+@pytest.mark.gpu
+def test_pinned_staging_of_a_cuda_state_writes_each_saves_values():
+    """The real path: a CUDA model's state staged into the pinned buffer by two saves, with the
+    weights changed on the GPU between them (the buffer is refilled, never stale or mixed)."""
+    import tempfile
+
+    model = torch.nn.Linear(64, 32, bias=False).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 64, device="cuda")).sum().backward()
+    optimizer.step()
+    writer = ckpt.CheckpointWriter(asynchronous=True, pinned_staging=True)
+    with tempfile.TemporaryDirectory() as out:
+        saved = {}
+        for step in (1, 2):
+            with torch.no_grad():
+                model.weight.fill_(float(step))
+            staging = ckpt.clear_staging(out, step)
+            state = ckpt.sharded_state(model, optimizer)
+            staged = ckpt.stage_shards(state, staging, asynchronous=True, stager=writer.stager)
+            with torch.no_grad():
+                model.weight.fill_(-1.0)  # after staging: must not reach the checkpoint
+            shards = ckpt.write_shards(staged, group=None)
+            path = writer.submit(out, step, shards=shards, drafter_config={}, train_state={"step": step},
+                                 config_yaml="", keep_last=2)  # fmt: skip
+            writer.wait()
+            saved[step] = read_dcp_model_state(path / "model_optim")["weight"]
+        writer.close()
+        assert all(torch.all(saved[step] == float(step)) for step in (1, 2))
+        assert writer.stager.state_dict_cache["model"]["weight"].is_pinned()
+
+
 def test_pinned_staging_is_refused_where_it_cannot_run():
     from dflash_train.config import CheckpointConfig
 
