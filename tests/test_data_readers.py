@@ -100,6 +100,17 @@ def test_a_folder_leaves_out_what_regen_and_synth_write_beside_their_rows(tmp_pa
     assert expand_paths([str(folder / "prompts.heldout")]) == [str(folder / "prompts.heldout" / "code.jsonl")]
 
 
+def test_a_file_given_twice_is_read_once(tmp_path, capsys):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_lines(folder / "a.jsonl", [GOOD])
+    write_lines(folder / "b.jsonl", [GOOD])
+    files = expand_paths([str(folder), str(folder / "a.jsonl"), f"{folder}/../data/b.jsonl"])
+    assert files == [str(folder / "a.jsonl"), str(folder / "b.jsonl")]
+    told = capsys.readouterr().err
+    assert told.count("given twice") == 2 and "read once" in told
+
+
 def test_json_array_file_is_read_lazily(tmp_path):
     path = tmp_path / "rows.json"
     path.write_text(json.dumps([GOOD, GOOD, GOOD]))

@@ -112,7 +112,7 @@ def expand_paths(paths: list[str]) -> list[str]:
     """Files and directories (recursively: *.jsonl, *.json, *.parquet) to a sorted file list.
 
     A directory's files that regen or synth wrote beside their outputs and that are not rows
-    (``not_rows``) are left out, each named on stderr. A path that does not exist is kept as is: it
+    (``not_rows``) are left out, and a file given twice is read once, each named on stderr. A path that does not exist is kept as is: it
     is taken for a hub dataset name.
     """
     if not paths:
@@ -136,7 +136,22 @@ def expand_paths(paths: list[str]) -> list[str]:
             files.extend(found)
         else:
             files.append(str(p) if p.exists() else path)
-    return files
+    return read_once(files)
+
+
+def read_once(files: list[str]) -> list[str]:
+    """``files`` with each local file once (a folder and a file in it, or one file named twice, would
+    train on or regenerate its rows twice); a repeat is named on stderr."""
+    seen: set[str] = set()
+    kept = []
+    for f in files:
+        key = os.path.realpath(f) if os.path.exists(f) else f
+        if key in seen:
+            print(f"data: {f} is given twice in the data paths: its rows are read once", file=sys.stderr)
+            continue
+        seen.add(key)
+        kept.append(f)
+    return kept
 
 
 def fingerprint(files: list[str]) -> list[list[Any]]:
