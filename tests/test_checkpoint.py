@@ -22,7 +22,7 @@ def write(out, step, writer=None, keep_last=2, value=0.0):
     model, optimizer = linear_state(value)
     staging = ckpt.clear_staging(out, step)
     state = ckpt.snapshot(ckpt.sharded_state(model, optimizer))
-    staged = ckpt.stage_shards(state, staging, asynchronous=writer.asynchronous, stager=writer.stager)
+    staged = ckpt.stage_shards(state, staging, writer)
     shards = ckpt.write_shards(staged, group=None)
     commit = dict(drafter_config={"block_size": 4}, train_state={"step": step}, config_yaml="output_dir: x\n")
     return writer.submit(out, step, shards=shards, keep_last=keep_last, **commit), model
@@ -115,7 +115,7 @@ def test_pinned_staging_of_a_cuda_state_writes_each_saves_values():
                 model.weight.fill_(float(step))
             staging = ckpt.clear_staging(out, step)
             state = ckpt.sharded_state(model, optimizer)
-            staged = ckpt.stage_shards(state, staging, asynchronous=True, stager=writer.stager)
+            staged = ckpt.stage_shards(state, staging, writer)
             with torch.no_grad():
                 model.weight.fill_(-1.0)  # after staging: must not reach the checkpoint
             shards = ckpt.write_shards(staged, group=None)
@@ -231,7 +231,9 @@ def test_export_reads_a_sharded_checkpoint_on_one_process(tmp_path):
     optimizer = torch.optim.AdamW(drafter.parameters())
     staging = ckpt.clear_staging(tmp_path, 7)
     state = ckpt.sharded_state(drafter, optimizer)
-    ckpt.write_shards(ckpt.stage_shards(state, staging, asynchronous=False), group=None)
+    ckpt.write_shards(
+        ckpt.stage_shards(state, staging, ckpt.CheckpointWriter(asynchronous=False)), group=None
+    )
     ckpt.save_checkpoint(
         tmp_path,
         7,

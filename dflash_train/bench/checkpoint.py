@@ -230,9 +230,7 @@ def save_dcp(out: Path, step: int, model, optimizer, config, writer) -> tuple[fl
     writer.wait()
     ckpt.clear_staging(out, step)
     state = ckpt.sharded_state(model, optimizer)
-    staged = ckpt.stage_shards(
-        state, ckpt.staging_folder(out, step), asynchronous=writer.asynchronous, stager=writer.stager
-    )
+    staged = ckpt.stage_shards(state, ckpt.staging_folder(out, step), writer)
     shards = ckpt.write_shards(staged, group=None)
     path = writer.submit(
         out, step, shards=shards, drafter_config=config.to_serving_dict(), train_state={"step": step},

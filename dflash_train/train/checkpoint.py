@@ -179,19 +179,20 @@ class StagedShards:
     asynchronous: bool
 
 
-def stage_shards(state: dict[str, Any], staging: Path, *, asynchronous: bool, stager=None) -> StagedShards:
-    """Every rank, before any rank starts the write: the writer of ``staging/model_optim`` and, for an
-    asynchronous write, the staged CPU copy (the only part of the write the training loop waits for):
-    into ``stager``'s buffer where given (``CheckpointWriter.stager``), else into new host memory.
+def stage_shards(state: dict[str, Any], staging: Path, writer: CheckpointWriter) -> StagedShards:
+    """Every rank, before any rank starts the write: the DCP writer of ``staging/model_optim`` and,
+    when ``writer`` is asynchronous, the staged CPU copy (the only part of the write the training loop
+    waits for): into the writer's pinned buffer (``CheckpointWriter.stager``), else new host memory.
 
     No collective runs here. A rank that fails here (host memory, the staging folder) must be
     outvoted before ``write_shards``: DCP's write is a collective over the checkpoint group, so the
     ranks inside it would wait for the failed one until ``train.dist_timeout_s``.
     """
-    writer = _storage_writer(staging / DCP_DIR_NAME)
-    # The writer's own staging is the copy ``dcp.async_save`` would make inside the write.
-    stager = stager if stager is not None else writer
-    return StagedShards(writer, stager.stage(state) if asynchronous else state, asynchronous)
+    storage = _storage_writer(staging / DCP_DIR_NAME)
+    if not writer.asynchronous:
+        return StagedShards(storage, state, False)
+    # The storage writer's own staging is the copy ``dcp.async_save`` would make inside the write.
+    return StagedShards(storage, (writer.stager or storage).stage(state), True)
 
 
 class _AlreadyStaged:

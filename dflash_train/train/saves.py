@@ -55,7 +55,7 @@ def stage(run: Run) -> ckpt.StagedShards:
         # On CPU the state aliases the live tensors; the background write needs its own copy.
         state = ckpt.snapshot(state)
     staging = ckpt.staging_folder(run.cfg.output_dir, run.step)
-    return ckpt.stage_shards(state, staging, asynchronous=run.writer.asynchronous, stager=run.writer.stager)
+    return ckpt.stage_shards(state, staging, run.writer)
 
 
 def write_and_commit(run: Run, staged: ckpt.StagedShards, group: Any, extra: dict[str, Any]) -> None:
