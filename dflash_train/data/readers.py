@@ -112,8 +112,8 @@ def expand_paths(paths: list[str]) -> list[str]:
     """Files and directories (recursively: *.jsonl, *.json, *.parquet) to a sorted file list.
 
     A directory's files that regen or synth wrote beside their outputs and that are not rows
-    (``not_rows``) are left out, and a file given twice is read once, each named on stderr. A path that does not exist is kept as is: it
-    is taken for a hub dataset name.
+    (``not_rows``) are left out, and a file given twice is read once, each named on stderr. A path
+    that does not exist is kept as is: it is taken for a hub dataset name.
     """
     if not paths:
         raise ValueError(
