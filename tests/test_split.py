@@ -328,6 +328,25 @@ def test_a_failed_save_stops_the_target_ranks_with_the_drafters_at_once(setup, f
     assert seconds < 150
 
 
+def test_a_sigterm_in_the_target_ranks_last_save_vote_waits_for_the_commit_and_export(setup):
+    """Every rank gets SIGTERM after the last step, the target rank while it waits for the last
+    save's outcome (the time limit of a scheduler lands on all ranks at once): as the drafter ranks
+    do, it finishes that vote first and exits cleanly, so the run is committed and exported (before,
+    the signal killed the target rank there and the drafter ranks failed on the lost peer)."""
+    root, overrides = setup
+    run_dir = root / "sigterm-last-vote"
+    spec = {
+        "mode": "split",
+        "overrides": [*overrides, f"output_dir={run_dir}", *split_overrides(1, 2)],
+        "sigterm_on_save_vote": 3,  # the target rank's votes: steps 3 and 6, then the last commit's
+    }
+    codes, _ = launch(spec, 3, run_dir)
+    assert codes == [0, 0, 0], logs(run_dir)
+    assert (run_dir / "checkpoints" / "step-00000006" / "COMMITTED").is_file()
+    assert (run_dir / "export" / "model.safetensors").is_file()
+    assert "SIGTERM received after the last step" in (run_dir / "rank0.log").read_text()
+
+
 def test_a_colocated_checkpoint_owing_an_evaluation_resumes_split_and_finishes(setup):
     """A colocated sitting that stopped on an evaluation step owes that evaluation; split placement
     runs none (it refuses eval.prompts), so it says so and drops it: the split run finishes and its
@@ -536,6 +555,20 @@ def worker(spec: dict) -> None:
             return report
 
         split.FeatureProducer.report = shifted_report
+    if spec.get("sigterm_on_save_vote") and rank == 0:
+        import signal
+
+        from dflash_train.train import split
+
+        real_vote, votes = split.share_save_outcome, []
+
+        def signalled_vote(*args, **kwargs):
+            votes.append(1)
+            if len(votes) == spec["sigterm_on_save_vote"]:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return real_vote(*args, **kwargs)
+
+        split.share_save_outcome = signalled_vote
     if spec.get("fail_resume"):
         from dflash_train.train import checkpoint as ckpt
 

@@ -63,12 +63,13 @@ class GracefulStop:
         self.signal_name = signal.Signals(signum).name
 
 
-def report_deferred_stop(stop: GracefulStop) -> None:
+def report_deferred_stop(
+    stop: GracefulStop, waited_for: str = "the final checkpoint and export were written first"
+) -> None:
     """Say that a signal which arrived after the training loop waited for the final save and export."""
     if stop.requested:
         print(
-            f"{stop.signal_name} received after the last step: the final checkpoint and export were "
-            "written first; exiting",
+            f"{stop.signal_name} received after the last step: {waited_for}; exiting",
             file=sys.stderr,
             flush=True,
         )

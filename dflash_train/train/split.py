@@ -149,6 +149,26 @@ def run_target_rank(
     """Read the drafters' shards, run the truncated target forward, stream; vote every step."""
     producer = FeatureProducer(cfg, layout, info, stream_group, hooks)
     share_startup_outcome(layout, None)  # the drafter ranks opened their metrics log: the stream starts
+    # A SIGTERM after the loop waits for the last save's outcome, as on the drafter ranks: killed
+    # there, this rank would fail the drafters' commit and export on a lost peer.
+    with GracefulStop() as late:
+        step = run_target_loop(cfg, layout, info, producer, hooks)
+        share_save_outcome(layout, info.device, None)  # the last save's commit (background) went through
+    report_deferred_stop(late, "the drafter ranks' final checkpoint and export were written first")
+    return {
+        "role": "target",
+        "step": min(step + 1, producer.total),
+        "loss": float("nan"),
+        "tau": None,
+        "checkpoint": None,
+        "export": None,
+    }
+
+
+def run_target_loop(
+    cfg: RunConfig, layout: SplitLayout, info: DistInfo, producer: FeatureProducer, hooks: SplitHooks
+) -> int:
+    """Produce, vote and take part in each save until the last step or a stop; return the last step index."""
     step, total = producer.start_step, producer.total
     stacks = Path(cfg.output_dir) / f"watchdog-stacks-rank{layout.rank}.txt"
     with GracefulStop() as stop, Watchdog(cfg.train.watchdog_s, stacks) as watchdog:
@@ -171,16 +191,7 @@ def run_target_rank(
             if stopping:
                 break
         producer.sender.drain()  # the drafters drain what was sent beyond their last step
-    share_save_outcome(layout, info.device, None)  # the last save's commit (background) went through
-    done = min(step + 1, total)
-    return {
-        "role": "target",
-        "step": done,
-        "loss": float("nan"),
-        "tau": None,
-        "checkpoint": None,
-        "export": None,
-    }
+    return step
 
 
 class FeatureProducer:
