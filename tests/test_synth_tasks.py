@@ -203,6 +203,25 @@ def test_no_training_row_repeats_another_tasks_heldout_prompt(chatty_dir, tmp_pa
     assert trained and not held & trained  # (duplicates across tasks' training rows stay: see docs/data.md)
 
 
+def test_a_rerun_that_completes_a_heldout_file_repeats_no_training_prompt(chatty_dir, tmp_path):
+    """--max-samples cuts task b's held-out phase short (2 of 3) while task a has training rows; the
+    rerun draws b's third held-out prompt, which must not repeat one of a's training prompts (with
+    this seed it did: b's own filter holds b's rows only, and a's training rows are no held-out ones)."""
+    tasks = write_tasks(tmp_path, "tasks:\n  - name: a\n    share: 20\n  - name: b\n    share: 1\n")
+    out, opts = tmp_path / "p.jsonl", dict(task_file=tasks, heldout_per_task=3, num_rows=21, seed=1)
+    first = run_synth(options(chatty_dir, out, max_samples=10, **opts))
+    assert first["tasks"]["b"]["heldout_rows"] == 2 and first["tasks"]["a"]["rows"] > 0
+    trained_first = {normalise(r["messages"][0]["content"]) for r in read_rows(out)}
+    rerun = run_synth(options(chatty_dir, out, **opts))
+    assert rerun["tasks"]["b"]["heldout_rows"] == 3
+    held = {
+        normalise(r["messages"][0]["content"]) for p in rerun["heldout_files"].values() for r in read_rows(p)
+    }
+    trained = {normalise(r["messages"][0]["content"]) for r in read_rows(out)}
+    assert trained_first and trained_first <= trained and not held & trained
+    assert rerun["filtered"]["training_overlap"] > 0
+
+
 def test_task_rows_do_not_depend_on_the_batch_size_and_resume_per_task(chatty_dir, tmp_path):
     tasks = write_tasks(tmp_path)
     whole = run_synth(options(chatty_dir, tmp_path / "a.jsonl", task_file=tasks, heldout_per_task=1))

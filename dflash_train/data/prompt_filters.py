@@ -7,7 +7,9 @@ U+FFFD from broken bytes included), ``exact_duplicate`` (same normalised text: N
 punctuation dropped, whitespace collapsed) and ``near_duplicate`` (Jaccard similarity of the
 normalised character 5-gram sets at or above the threshold with an earlier kept prompt). ``synth``
 also counts ``reply_hit_token_limit`` (a reply between turns did not end), ``heldout_overlap`` (a
-training prompt that is an exact or near duplicate of another task's held-out prompt) and, with
+training prompt that is an exact or near duplicate of another task's held-out prompt),
+``training_overlap`` (the converse, on a rerun that completes held-out files after training rows
+were written) and, with
 ``--stop-loops``, ``looped`` / ``reply_looped`` (a user turn or a reply stopped as a repetition loop).
 
 Near duplicates without pairwise comparison (locality-sensitive hashing): each prompt gets a
@@ -47,6 +49,7 @@ REASONS = (
     "near_duplicate",
     "reply_hit_token_limit",
     "heldout_overlap",
+    "training_overlap",
     "looped",
     "reply_looped",
 )

@@ -198,6 +198,9 @@ class Synthesizer:
         # of every task's held-out prompts, which no training row may repeat.
         self.filters = [PromptFilter(texts, opts.min_prompt_chars, opts.near_dup_threshold) for _ in tasks]
         self.heldout_index = PromptFilter([], opts.min_prompt_chars, opts.near_dup_threshold)
+        # Every task's training prompts written before this run's held-out phase (a rerun that
+        # completes held-out files a budget cut short), which no new held-out prompt may repeat.
+        self.training_index: PromptFilter | None = None
         self.systems = [[{"role": "system", "content": t.system}] if t.system else [] for t in tasks]
         self.first_prefixes = [magpie_prefix(self.tokenizer, system, self.kwargs) for system in self.systems]
         self.sampling = Sampling(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
@@ -278,6 +281,13 @@ class Synthesizer:
             if heldout:
                 self.heldout_index.remember(text)
 
+    def index_training_rows(self, rows: list[tuple[str, str]]) -> None:
+        """Index training rows already written for the held-out phase (a task's own filter holds
+        its own; this holds every task's): kept only while held-out rows are still owed."""
+        self.training_index = PromptFilter([], self.opts.min_prompt_chars, self.opts.near_dup_threshold)
+        for _, text in rows:
+            self.training_index.remember(text)
+
 
 def sample_key(sample: tuple[int, int], turn_code: int) -> int:
     """The generator key of a sample's turn: the default task (index 0) keeps synth's old keys."""
@@ -294,9 +304,12 @@ def run_synth(opts: SynthOptions) -> dict[str, Any]:
     state = load_state(output, heldout, state_file, settings(opts, tasks), names)
     progress = [state["tasks"][name] for name in names]
     synth = Synthesizer(opts, tasks)
-    synth.remember(read_rows(output), heldout=False)
+    training = read_rows(output)
+    synth.remember(training, heldout=False)
     for path in heldout.values():
         synth.remember(read_rows(path), heldout=True)
+    if training and any(p["heldout_rows"] < opts.heldout_per_task for p in progress):
+        synth.index_training_rows(training)
     for f, p in zip(synth.filters, progress):
         f.counts.update(p["filtered"])
     quotas = apportion([t.share for t in tasks], opts.num_rows)
@@ -309,6 +322,7 @@ def run_synth(opts: SynthOptions) -> dict[str, Any]:
     bar = ProgressBar(opts.num_rows, progress, synth.generator)
     # Every task's held-out rows first: each training row is then checked against all of them.
     synth_phase(synth, opts, state, files, bar, "heldout", [opts.heldout_per_task] * len(tasks), quotas)
+    synth.training_index = None
     synth_phase(synth, opts, state, files, bar, "train", quotas, quotas)
     bar.close()
     result = summary(opts, tasks, progress, quotas, start, heldout, time.perf_counter() - t0)
@@ -370,6 +384,9 @@ def write_batch(synth, opts, batch, progress, targets, phase) -> dict[str | None
         problem = problem or synth.filters[t].duplicate_problem(first)
         if not problem and phase == "train" and synth.heldout_index.duplicate_problem(first):
             problem = "heldout_overlap"
+        if not problem and phase == "heldout" and synth.training_index is not None:
+            if synth.training_index.duplicate_problem(first):
+                problem = "training_overlap"
         if problem:
             synth.filters[t].reject(problem)
             continue
