@@ -355,6 +355,18 @@ def test_eval_options_refuse_bad_values_with_a_remedy():
     assert build_parser().parse_args(args).draft_p_min == 0.3
 
 
+def test_a_prompt_file_given_twice_is_refused(tmp_path):
+    """One file twice in --prompts (however spelled) would count its prompts twice overall."""
+    from dflash_train.eval.options import EvalOptions
+
+    (tmp_path / "sub").mkdir()
+    first, second = str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")
+    for again in (first, str(tmp_path / "sub" / ".." / "a.jsonl")):
+        with pytest.raises(ValueError, match=r"--prompts names .*a\.jsonl twice: list each file once"):
+            EvalOptions(target="t", drafter="d", prompts=[first, second, again])
+    assert EvalOptions(target="t", drafter="d", prompts=[first, second]).prompts == [first, second]
+
+
 def test_exact_mode_reports_hybrid_ddtree_and_skips_only_its_real_decoding(tiny_hybrid_dir, tmp_path, capsys):
     from dflash_train.cli import main
     from dflash_train.models.export import save_drafter

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -88,6 +89,12 @@ class EvalOptions:
     def __post_init__(self) -> None:
         if not self.prompts:
             raise ValueError("no prompt files: give --prompts FILE [FILE ...]")
+        repeated = repeated_files(self.prompts)
+        if repeated:
+            raise ValueError(
+                f"--prompts names {repeated[0]} twice: list each file once (its prompts would count "
+                "twice overall)"
+            )
         if self.tau_mode not in TAU_MODES:
             raise ValueError(f"tau_mode={self.tau_mode!r}: use one of {list(TAU_MODES)}")
         if self.tau_mode == "exact" and self.temperature > 0:
@@ -187,6 +194,18 @@ class EvalOptions:
     @property
     def thinking_flag(self) -> bool | None:
         return THINKING[self.thinking]
+
+
+def repeated_files(paths: list[str]) -> list[str]:
+    """The paths that name a file an earlier path already names (also when spelled differently)."""
+    seen: set[str] = set()
+    repeated = []
+    for path in paths:
+        key = os.path.realpath(path)
+        if key in seen:
+            repeated.append(path)
+        seen.add(key)
+    return repeated
 
 
 def parse_key_sizes(text: str) -> tuple[int, ...]:
