@@ -245,3 +245,16 @@ def test_ngram_simple_is_refused_where_the_combination_does_not_run():
         "ngram",
         "ngram-simple",
     ]
+
+
+def test_the_lookup_fields_are_null_where_the_combination_did_not_run():
+    """eval.json's ngram_min_match / ngram_max_draft describe ngram+dflash, which decode mode never runs."""
+    from dflash_train.eval.command import lookup_fields
+
+    base = {"target": "t", "drafter": "d", "prompts": ["p.jsonl"], "baseline": "ngram"}
+    assert lookup_fields(EvalOptions(**base), 4) == {"ngram_min_match": 3, "ngram_max_draft": 48}
+    assert lookup_fields(EvalOptions(**base, ngram_max_draft=0), 4)["ngram_max_draft"] == 3
+    none = {"ngram_min_match": None, "ngram_max_draft": None}
+    assert lookup_fields(EvalOptions(**{**base, "baseline": "none"}), 4) == none
+    for decode in ({"tau_mode": "decode"}, {"temperature": 0.5}):
+        assert lookup_fields(EvalOptions(**base, **decode), 4) == none

@@ -73,7 +73,7 @@ def lookup_fields(options: EvalOptions, block_size: int) -> dict[str, Any]:
     did not run); with a key-size sweep also ``ngram_dflash_key_sizes``, method name -> key size of
     every lookup-first method, which SERVING.md reads to serve the best of them
     (``models/serving.py``). A single key size adds nothing: its record stays what it always was."""
-    combined = "ngram+dflash" in options.exact_methods
+    combined = options.resolved_tau_mode == "exact" and "ngram+dflash" in options.exact_methods
     fields: dict[str, Any] = {
         "ngram_min_match": options.ngram_min_match[0] if combined else None,
         "ngram_max_draft": (options.ngram_max_draft or block_size - 1) if combined else None,
