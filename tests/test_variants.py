@@ -276,6 +276,25 @@ def test_a_block_stops_early_as_llama_cpp_stops_it_or_the_stop_is_refused(fitted
     assert exact["tau"] <= full["tau"]
 
 
+def test_the_diagnosis_scores_no_slot_a_stopped_block_left_undrafted():
+    """Blocks stopped after two of three slots (``NO_DRAFT`` in the third): the third position is
+    scored by no block, over every anchor as over the rounds; the teacher-forced tau is unchanged."""
+    from dflash_train.eval.diagnosis import diagnose_request, summarize_diagnosis
+    from dflash_train.eval.simulate import simulate_chain
+    from dflash_train.models.variant import NO_DRAFT
+
+    continuation = list(range(10, 18))  # anchors j = 0..6, both drafts right inside the continuation
+    padded = [*continuation, 1_000_000, 1_000_000]
+    drafts = [[padded[j + 1], padded[j + 2], NO_DRAFT] for j in range(len(continuation) - 1)]
+    common = dict(block_size=BLOCK, max_new_tokens=len(continuation), eos_token_ids=set())
+    generation = simulate_chain(continuation, lambda out: drafts[out - 1], **common)
+    stats = diagnose_request([100], continuation, drafts, generation, ngram_n=3, **common)
+    groups = summarize_diagnosis([stats], BLOCK)["groups"]
+    assert groups["rounds"]["accuracy_by_pos"] == [1.0, 1.0, None]
+    assert groups["anchors"]["accuracy_by_pos"] == [1.0, 1.0, None]
+    assert groups["anchors"]["tau"] == pytest.approx((6 * 3 + 2) / 7)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_a_checkpoint_of_the_older_serving_layout_resumes(task, tmp_path, variant, one_thread):
     """Checkpoints written before an all-full-attention DFlash2 / DSpark export left out ``is_causal``

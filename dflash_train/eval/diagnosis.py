@@ -38,6 +38,7 @@ import torch
 
 from dflash_train.eval.simulate import NgramIndex, matched_prefix, request_limit, round_starts
 from dflash_train.eval.speculative import Generation
+from dflash_train.models.variant import NO_DRAFT
 
 GROUPS = ("anchors", "rounds", "loop", "outside_loops", "after_rejection", "other_rounds")
 
@@ -67,13 +68,13 @@ class BlockStats:
 
     def add_anchors(self, drafts: torch.Tensor, continuation: Sequence[int], length: int) -> None:
         """Every anchor j of ``drafts[A, B-1]`` at once: draft k against ``continuation[j + k]``,
-        scored where ``j + k < length`` (the training metric's in-row labels)."""
+        scored where ``j + k < length`` (the training metric's in-row labels) and draft k exists."""
         num_anchors = min(drafts.shape[0], max(length - 1, 0))
         if num_anchors == 0:
             return
         drafts = drafts[:num_anchors].long()
         positions = torch.arange(num_anchors)[:, None] + torch.arange(1, self.num_positions + 1)  # [A, K]
-        scored = positions < length
+        scored = (positions < length) & (drafts != NO_DRAFT)  # a stopped block drafts no slot after it
         # truth[j, k-1] = continuation[j + k]; the padding is never scored (windows, not indexing:
         # advanced indexing costs milliseconds here on CPU).
         padded = torch.tensor([*continuation[:length], *[0] * self.num_positions], dtype=torch.long)
