@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from safetensors.torch import save_file
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.drafter_config import DFlashDraftConfig
 from dflash_train.models.dtypes import DTYPES
-from dflash_train.models.serving import SERVING_NOTES_NAME, write_serving_notes
+from dflash_train.models.serving import SERVING_NOTES_NAME, serving_notes
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -45,13 +46,24 @@ def _torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def _write_atomically(path: Path, write) -> None:
-    """Write through ``write(tmp_path)`` then rename, so a crash never leaves a half-written file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+def _write_atomically(out: Path, writers: dict[str, Callable[[Path], Any]]) -> None:
+    """Write each file ``name`` of ``out`` through ``writers[name](tmp_path)`` and fsync it, then rename
+    them all into place: a failure while writing (a full disk) leaves the previous files whole, never
+    new weights beside an old config, and removes the temporary files."""
+    staged: dict[Path, Path] = {}
+    try:
+        for name, write in writers.items():
+            tmp = out / f".{name}.tmp"
+            staged[tmp] = out / name
+            write(tmp)
+            with open(tmp, "rb") as handle:
+                os.fsync(handle.fileno())
+    except BaseException:
+        for tmp in staged:
+            tmp.unlink(missing_ok=True)
+        raise
+    for tmp, path in staged.items():
+        os.replace(tmp, path)
 
 
 def save_drafter(
@@ -72,9 +84,15 @@ def save_drafter(
     tensors = serving_state(drafter, torch_dtype)
     serving = config.to_serving_dict()
     serving["torch_dtype"] = serving["dtype"] = dtype
-    _write_atomically(out / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
-    _write_atomically(out / CONFIG_NAME, lambda p: p.write_text(json.dumps(serving, indent=2) + "\n"))
-    notes = write_serving_notes(config, out, target)
+    notes = serving_notes(config, out, target)
+    _write_atomically(
+        out,
+        {
+            WEIGHTS_NAME: lambda p: save_file(tensors, str(p), metadata={"format": "pt"}),
+            CONFIG_NAME: lambda p: p.write_text(json.dumps(serving, indent=2) + "\n"),
+            SERVING_NOTES_NAME: lambda p: p.write_text(notes),
+        },
+    )
     if announce:
         print(notes, end="", flush=True)
     return out
