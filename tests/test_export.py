@@ -286,3 +286,23 @@ def test_a_failed_export_leaves_the_previous_one_whole(tmp_path, monkeypatch):
     loaded, loaded_config = load_drafter(tmp_path)
     assert loaded_config.block_size == 4
     torch.testing.assert_close(loaded.fc.weight, old.fc.weight, atol=0, rtol=0)
+
+
+def test_a_broken_config_is_refused_naming_its_file(tmp_path):
+    """A config.json cut short or missing a key (hand-edited, another tool's) is a ValueError naming
+    the file and what is wrong, not a JSON or TypeError traceback without the file."""
+    config = tiny_config()
+    save_drafter(DFlashDrafter(config), config, tmp_path / "out", dtype="float32")
+    path = tmp_path / "out" / "config.json"
+    raw = json.loads(path.read_text())
+    path.write_text(json.dumps({k: v for k, v in raw.items() if k != "num_target_layers"}))
+    with pytest.raises(ValueError, match=rf"{path}.*num_target_layers"):
+        load_drafter(tmp_path / "out")
+    path.write_text(json.dumps(raw)[:40])
+    with pytest.raises(ValueError, match=rf"{path}.*not valid JSON"):
+        load_drafter(tmp_path / "out")
+    step = tmp_path / "step-3"
+    write_checkpoint(step, config, seed=0)
+    (step / "drafter_config.json").write_text("")
+    with pytest.raises(ValueError, match=rf"{step / 'drafter_config.json'}.*not valid JSON"):
+        export_checkpoint(step, tmp_path / "exported")

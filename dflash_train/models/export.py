@@ -140,6 +140,21 @@ def build_drafter_from_tensors(
     return drafter
 
 
+def read_drafter_config(path: Path) -> DFlashDraftConfig:
+    """The drafter config of a serving ``config.json`` (or a checkpoint's ``drafter_config.json``);
+    a file that is not one is a ``ValueError`` naming it."""
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError as err:
+        raise ValueError(f"{path} is not valid JSON ({err}): re-export the drafter.") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} holds a {type(raw).__name__}, not a config object: re-export the drafter.")
+    try:
+        return DFlashDraftConfig.from_serving_dict(raw)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+
+
 def load_drafter(
     path: str | Path, device: str = "cpu", dtype: torch.dtype | str | None = None
 ) -> tuple[DFlashDrafter, DFlashDraftConfig]:
@@ -148,7 +163,7 @@ def load_drafter(
     for name in (CONFIG_NAME, WEIGHTS_NAME):
         if not (root / name).is_file():
             raise ValueError(f"{root} has no {name}: not an exported DFlash drafter directory.")
-    config = DFlashDraftConfig.from_serving_dict(json.loads((root / CONFIG_NAME).read_text()))
+    config = read_drafter_config(root / CONFIG_NAME)
     if isinstance(dtype, str):
         dtype = _torch_dtype(dtype)
     tensors = _read_tensors(root / WEIGHTS_NAME, str(device))
@@ -246,7 +261,7 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, dtype: str = "
     source = resolve_checkpoint(checkpoint)
     if not (source / CHECKPOINT_CONFIG_NAME).is_file():
         raise ValueError(f"{source} has no {CHECKPOINT_CONFIG_NAME}: cannot tell the drafter's shape.")
-    config = DFlashDraftConfig.from_serving_dict(json.loads((source / CHECKPOINT_CONFIG_NAME).read_text()))
+    config = read_drafter_config(source / CHECKPOINT_CONFIG_NAME)
     tensors, origin = _checkpoint_tensors(source)
     drafter = build_drafter_from_tensors(config, tensors, origin, None)
     out = save_drafter(drafter, config, output, dtype=dtype, target=recipe_target(source), announce=True)
