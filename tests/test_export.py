@@ -254,3 +254,55 @@ def test_roundtrip_with_random_norms_keeps_every_tensor(tmp_path, dtype):
             torch.testing.assert_close(
                 loaded.forward_train(*inputs), drafter.forward_train(*inputs), atol=0, rtol=0
             )
+
+
+def test_a_failed_export_leaves_the_previous_one_whole(tmp_path, monkeypatch):
+    """Re-exporting into an export directory (``dflash-train export RUN DIR`` as a run goes on) on a disk
+    that fills up while writing config.json: the previous export stays whole (its config next to its
+    weights and its SERVING.md), and no temporary file is left behind."""
+    import pathlib
+
+    old_config = tiny_config()
+    old = randomized(DFlashDrafter(old_config), seed=1)
+    save_drafter(old, old_config, tmp_path, dtype="float32")
+    before = {
+        name: (tmp_path / name).read_bytes() for name in ("config.json", "model.safetensors", "SERVING.md")
+    }
+    new_config = tiny_config()
+    new_config.block_size = 8
+    write_text = pathlib.Path.write_text
+
+    def disk_full_on_config(path, *args, **kwargs):
+        if "config.json" in path.name:
+            raise OSError(28, "No space left on device")
+        return write_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", disk_full_on_config)
+    with pytest.raises(OSError, match="No space left"):
+        save_drafter(randomized(DFlashDrafter(new_config), seed=2), new_config, tmp_path, dtype="float32")
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before)
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
+    loaded, loaded_config = load_drafter(tmp_path)
+    assert loaded_config.block_size == 4
+    torch.testing.assert_close(loaded.fc.weight, old.fc.weight, atol=0, rtol=0)
+
+
+def test_a_broken_config_is_refused_naming_its_file(tmp_path):
+    """A config.json cut short or missing a key (hand-edited, another tool's) is a ValueError naming
+    the file and what is wrong, not a JSON or TypeError traceback without the file."""
+    config = tiny_config()
+    save_drafter(DFlashDrafter(config), config, tmp_path / "out", dtype="float32")
+    path = tmp_path / "out" / "config.json"
+    raw = json.loads(path.read_text())
+    path.write_text(json.dumps({k: v for k, v in raw.items() if k != "num_target_layers"}))
+    with pytest.raises(ValueError, match=rf"{path}.*num_target_layers"):
+        load_drafter(tmp_path / "out")
+    path.write_text(json.dumps(raw)[:40])
+    with pytest.raises(ValueError, match=rf"{path}.*not valid JSON"):
+        load_drafter(tmp_path / "out")
+    step = tmp_path / "step-3"
+    write_checkpoint(step, config, seed=0)
+    (step / "drafter_config.json").write_text("")
+    with pytest.raises(ValueError, match=rf"{step / 'drafter_config.json'}.*not valid JSON"):
+        export_checkpoint(step, tmp_path / "exported")

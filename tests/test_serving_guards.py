@@ -166,6 +166,26 @@ def test_serving_md_states_the_evals_numbers_and_picks(tmp_path, combined_tau, p
     assert "Measure it on yours" in notes and "--spec-ngram-simple-size-n 3" in notes
 
 
+def test_serving_md_does_not_state_numbers_measured_with_blocks_cut_short(tmp_path):
+    """An eval with ``--draft-p-min P > 0`` (DSpark's confidence stop) measured blocks cut short; the
+    flags SERVING.md writes draft full blocks (``--spec-draft-p-min 0``), so its numbers and its pick
+    are not of those flags: SERVING.md says how to measure instead."""
+    config = presets.resolve_drafter_config(
+        DrafterConfig(preset="tiny", block_size=4, variant="dspark"),
+        presets.tiny_hybrid_target_config(),
+        target_layer_ids=[0, 2],
+        mask_token_id=300,
+        torch_dtype="float32",
+    )
+    out = tmp_path / "export"
+    out.mkdir()
+    record = {"tau": 2.5, "ngram_tau": 2.0, "ngram_dflash_tau": 3.1, "num_prompts": 300, "draft_p_min": 0.4}
+    (out / "eval.json").write_text(json.dumps({**record, "ngram_min_match": 4, "ngram_max_draft": 7}))
+    notes = (save_drafter(DFlashDrafter(config), config, out) / "SERVING.md").read_text()
+    assert "--spec-type draft-dspark --spec-draft-n-max 4 --spec-draft-p-min 0 " in notes
+    assert "tau 2.500" not in notes and "Measure it on yours" in notes
+
+
 @pytest.mark.parametrize(
     ("swept_taus", "served", "pick"),
     [((2.6, 3.0, 2.9), 6, "Serve the combination: 1.20x"), ((2.4, 2.4, 2.3), 3, "drafter alone")],

@@ -163,6 +163,15 @@ class DFlashDraftConfig:
         kwargs["torch_dtype"] = raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"
         if kwargs["mask_token_id"] is None:
             raise ValueError("config.json has no dflash_config.mask_token_id: not a DFlash drafter export.")
+        unset = dataclasses.MISSING
+        required = [
+            f.name for f in dataclasses.fields(cls) if f.default is unset and f.default_factory is unset
+        ]
+        missing = [name for name in required if name not in kwargs]
+        if missing:
+            raise ValueError(
+                f"config.json has no {missing}: not a complete DFlash drafter export; re-export it."
+            )
         names = raw.get("architectures") or [get_variant(DEFAULT_VARIANT).architecture]
         variant = variant_for_architecture(names[0])
         kwargs.update(variant=variant.name, **variant.read_serving_fields(raw))

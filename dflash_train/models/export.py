@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from safetensors.torch import save_file
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.drafter_config import DFlashDraftConfig
 from dflash_train.models.dtypes import DTYPES
-from dflash_train.models.serving import SERVING_NOTES_NAME, write_serving_notes
+from dflash_train.models.serving import SERVING_NOTES_NAME, serving_notes
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -45,13 +46,24 @@ def _torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def _write_atomically(path: Path, write) -> None:
-    """Write through ``write(tmp_path)`` then rename, so a crash never leaves a half-written file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    with open(tmp, "rb") as handle:
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+def _write_atomically(out: Path, writers: dict[str, Callable[[Path], Any]]) -> None:
+    """Write each file ``name`` of ``out`` through ``writers[name](tmp_path)`` and fsync it, then rename
+    them all into place: a failure while writing (a full disk) leaves the previous files whole, never
+    new weights beside an old config, and removes the temporary files."""
+    staged: dict[Path, Path] = {}
+    try:
+        for name, write in writers.items():
+            tmp = out / f".{name}.tmp"
+            staged[tmp] = out / name
+            write(tmp)
+            with open(tmp, "rb") as handle:
+                os.fsync(handle.fileno())
+    except BaseException:
+        for tmp in staged:
+            tmp.unlink(missing_ok=True)
+        raise
+    for tmp, path in staged.items():
+        os.replace(tmp, path)
 
 
 def save_drafter(
@@ -72,9 +84,15 @@ def save_drafter(
     tensors = serving_state(drafter, torch_dtype)
     serving = config.to_serving_dict()
     serving["torch_dtype"] = serving["dtype"] = dtype
-    _write_atomically(out / WEIGHTS_NAME, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
-    _write_atomically(out / CONFIG_NAME, lambda p: p.write_text(json.dumps(serving, indent=2) + "\n"))
-    notes = write_serving_notes(config, out, target)
+    notes = serving_notes(config, out, target)
+    _write_atomically(
+        out,
+        {
+            WEIGHTS_NAME: lambda p: save_file(tensors, str(p), metadata={"format": "pt"}),
+            CONFIG_NAME: lambda p: p.write_text(json.dumps(serving, indent=2) + "\n"),
+            SERVING_NOTES_NAME: lambda p: p.write_text(notes),
+        },
+    )
     if announce:
         print(notes, end="", flush=True)
     return out
@@ -122,6 +140,21 @@ def build_drafter_from_tensors(
     return drafter
 
 
+def read_drafter_config(path: Path) -> DFlashDraftConfig:
+    """The drafter config of a serving ``config.json`` (or a checkpoint's ``drafter_config.json``);
+    a file that is not one is a ``ValueError`` naming it."""
+    try:
+        raw = json.loads(path.read_text())
+    except ValueError as err:
+        raise ValueError(f"{path} is not valid JSON ({err}): re-export the drafter.") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} holds a {type(raw).__name__}, not a config object: re-export the drafter.")
+    try:
+        return DFlashDraftConfig.from_serving_dict(raw)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
+
+
 def load_drafter(
     path: str | Path, device: str = "cpu", dtype: torch.dtype | str | None = None
 ) -> tuple[DFlashDrafter, DFlashDraftConfig]:
@@ -130,7 +163,7 @@ def load_drafter(
     for name in (CONFIG_NAME, WEIGHTS_NAME):
         if not (root / name).is_file():
             raise ValueError(f"{root} has no {name}: not an exported DFlash drafter directory.")
-    config = DFlashDraftConfig.from_serving_dict(json.loads((root / CONFIG_NAME).read_text()))
+    config = read_drafter_config(root / CONFIG_NAME)
     if isinstance(dtype, str):
         dtype = _torch_dtype(dtype)
     tensors = _read_tensors(root / WEIGHTS_NAME, str(device))
@@ -228,7 +261,7 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, dtype: str = "
     source = resolve_checkpoint(checkpoint)
     if not (source / CHECKPOINT_CONFIG_NAME).is_file():
         raise ValueError(f"{source} has no {CHECKPOINT_CONFIG_NAME}: cannot tell the drafter's shape.")
-    config = DFlashDraftConfig.from_serving_dict(json.loads((source / CHECKPOINT_CONFIG_NAME).read_text()))
+    config = read_drafter_config(source / CHECKPOINT_CONFIG_NAME)
     tensors, origin = _checkpoint_tensors(source)
     drafter = build_drafter_from_tensors(config, tensors, origin, None)
     out = save_drafter(drafter, config, output, dtype=dtype, target=recipe_target(source), announce=True)

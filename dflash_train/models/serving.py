@@ -158,6 +158,8 @@ def measured_lookup(export_dir: str | Path) -> dict | None:
     needed = ("tau", "ngram_dflash_tau", "ngram_min_match", "ngram_max_draft")
     if not isinstance(record, dict) or any(not isinstance(record.get(k), (int, float)) for k in needed):
         return None
+    if record.get("draft_p_min"):
+        return None  # blocks cut short (eval --draft-p-min): not what the flags, --spec-draft-p-min 0, serve
     key_size_taus = swept_lookup_taus(record)
     if key_size_taus is None:
         return None
