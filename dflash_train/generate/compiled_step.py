@@ -55,8 +55,18 @@ def default_compile_decode(device: torch.device, hybrid: bool) -> bool:
     kernels; docs/performance.md), compilation excluded, and with flex (whose attention becomes part of
     the step's graph) it ran 1.33x the compiled grouped step on an H100. Hybrid (GatedDeltaNet)
     targets keep the eager step until the compiled one is measured on them (``compile_decode=True``
-    asks for it); on a CPU it is slower."""
-    return device.type == "cuda" and not hybrid
+    asks for it); on a CPU it is slower. Under a forced-eager stance (``eager_forced``) nothing
+    compiles: the eager step."""
+    return device.type == "cuda" and not hybrid and not eager_forced()
+
+
+def eager_forced() -> bool:
+    """Whether ``torch.compiler.set_stance("force_eager")`` is in effect (the in-training held-out
+    evaluation's ``untouched_training_state``): every torch.compile'd function, the compiled step's
+    and FlexAttention's kernel included, then runs its Python uncompiled."""
+    from torch._dynamo import eval_frame
+
+    return getattr(getattr(eval_frame, "_stance", None), "stance", "default") == "force_eager"
 
 
 def compiled_graph_count() -> int:

@@ -6,12 +6,12 @@ the query heads (``repeat_kv``): every layer copied every slot's whole attended 
 [S, Hkv, C, D], and group the query heads of each key/value head instead (query head h reads
 key/value head h // G, transformers' convention):
 
-- ``grouped`` (the default without a compiled step: CPU, hybrid targets): two batched matmuls over
-  the attended indices (the engine's bucket, a multiple of 256 above the longest running row) with
-  an additive mask [S, 1, 1, kv]. cuBLAS reads the bucket at near copy bandwidth. In bf16 the
-  scores are rounded to bf16 before the fp32 softmax (sdpa keeps them in fp32); on SmolLM2-135M
-  every resulting difference from the flex kernel's replies was a tie by the eval's verdict
-  (docs/performance.md).
+- ``grouped`` (the default without a compiled step: CPU, hybrid targets, a forced-eager stance): two
+  batched matmuls over the attended indices (the engine's bucket, a multiple of 256 above the longest
+  running row) with an additive mask [S, 1, 1, kv]. cuBLAS reads the bucket at near copy bandwidth.
+  In bf16 the scores are rounded to bf16 before the fp32 softmax (sdpa keeps them in fp32); on
+  SmolLM2-135M every resulting difference from the flex kernel's replies was a tie by the eval's
+  verdict (docs/performance.md).
 - ``flex`` (the default on CUDA for attention-only targets): PyTorch's FlexAttention with a
   ``BlockMask`` built from the slots' positions: slot r lists only the cache blocks up to its
   position, so the decoding kernel reads the blocks the slot really holds, whatever the capacity or
@@ -44,6 +44,8 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 
+from dflash_train.generate.compiled_step import eager_forced
+
 SLOT_DECODE = "dflash_slot_decode"
 DECODE_ATTENTIONS = ("flex", "grouped")
 FLEX_BLOCK = 128  # cache indices per BlockMask block (FlexAttention's default block size)
@@ -61,8 +63,24 @@ def default_decode_attention(device: torch.device, hybrid: bool) -> str:
     groups, the compiled step with flex ran 632 rows/s against grouped's 474 (SmolLM2-135M's shape,
     1,024 slots, 256 new tokens, one H100; docs/performance.md, "Flex padded, in the compiled step").
     grouped elsewhere: hybrid targets keep the eager step, where flex was the slower (module docstring),
-    and on a CPU flex runs uncompiled."""
-    return "flex" if device.type == "cuda" and not hybrid else "grouped"
+    on a CPU flex runs uncompiled, and under a forced-eager stance flex would run uncompiled on CUDA
+    too (``check_flex_compiles``)."""
+    return "flex" if device.type == "cuda" and not hybrid and not eager_forced() else "grouped"
+
+
+def check_flex_compiles(decode_attention: str, device: torch.device, use_cuda_graphs: bool) -> None:
+    """Refuse flex in CUDA graphs under ``torch.compiler.set_stance("force_eager")``: FlexAttention's
+    compiled kernel then runs uncompiled, as torch's unfused reference (``_math_attention_inner`` in
+    torch/_higher_order_ops/flex_attention.py), which builds ``torch.tensor(-inf, device=cuda)``, a
+    copy from unpinned host memory, in every call: a capture of the step fails on it ("Cannot copy
+    between CPU and CUDA tensors during CUDA graph capture"). Such callers take grouped (the
+    default there)."""
+    if decode_attention == "flex" and device.type == "cuda" and use_cuda_graphs and eager_forced():
+        raise ValueError(
+            "decode_attention='flex' cannot be captured into CUDA graphs under "
+            "torch.compiler.set_stance('force_eager') (uncompiled, FlexAttention copies a host scalar to "
+            "the device in every call): use decode_attention='grouped', or leave the stance"
+        )
 
 
 def slot_decode_attention(

@@ -51,6 +51,7 @@ from dflash_train.generate.decode_attention import (
     DECODE_ATTENTIONS,
     FLEX_BLOCK,
     LiveBlockMask,
+    check_flex_compiles,
     decoding_with,
     default_decode_attention,
 )
@@ -192,6 +193,7 @@ class SlotEngine:
         """Continue every prompt until a stop id or ``max_new_tokens``; ``keys`` seed each row's draws;
         with ``loop_stop``, also until the row repeats itself (``generate/loops.py``; ``looped``)."""
         check_request(prompts, keys, max_new_tokens)
+        check_flex_compiles(self.decode_attention, self.device, self.use_cuda_graphs)  # the stance of now
         self.set_stops(stop_ids)
         run = Run(self, prompts, keys, max_new_tokens, pad_id, sampling, on_rows, loop_stop)
         run.loop()

@@ -246,7 +246,10 @@ def group_rank_and_size(run) -> tuple[int, int]:
 @contextlib.contextmanager
 def untouched_training_state(device: torch.device):
     """No grad, eager execution (compiled target regions would recompile for every eval shape and
-    could exhaust the cache the training shapes need), and the RNG streams restored afterwards."""
+    could exhaust the cache the training shapes need), and the RNG streams restored afterwards.
+    Under it the generation engine of the continuations takes its eager step and grouped decode
+    attention: flex, uncompiled, cannot be captured into the step's CUDA graphs
+    (``generate/decode_attention.check_flex_compiles``)."""
     python_state = random.getstate()
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.no_grad(), torch.compiler.set_stance("force_eager"):
