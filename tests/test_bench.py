@@ -169,3 +169,18 @@ def test_drafter_recompile_limit_covers_every_bucket_variant():
     assert drafter_recompile_limit(qwen36, DataConfig(seq_buckets=[1024, 2048, 4096])) == 2 * 3 * 3
     assert drafter_recompile_limit(qwen36, DataConfig(seq_buckets=[1024, 2048, 4096], packing=True)) == 2 * 3
     assert drafter_recompile_limit(["full_attention"] * 5, DataConfig(seq_buckets=[256, 512])) == 2 * 2 * 2
+
+
+def test_drafter_only_flops_count_the_teacher_head_the_step_runs():
+    """``--drafter-only --loss kl``: the features (final hidden state included) are computed once,
+    but every timed step still runs the teacher's LM head over the scored tokens, so its FLOPs count."""
+    from dflash_train.bench.train_step import BenchOptions, run_bench
+    from dflash_train.models.presets import tiny_hybrid_target_config
+
+    tflop = {}
+    for loss in ("ce", "kl"):
+        options = BenchOptions(preset="tiny", drafter_only=True, loss=loss, steps=1, warmup=0, device="cpu")
+        tflop[loss] = run_bench(options)["tflop_per_step"]
+    target = tiny_hybrid_target_config()
+    head = 2.0 * 32 * (8 - 1) * target.hidden_size * target.vocab_size  # anchors x draft tokens x H x V
+    assert tflop["kl"] - tflop["ce"] == pytest.approx(head / 1e12)

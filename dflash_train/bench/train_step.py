@@ -227,10 +227,11 @@ def run_bench(args: BenchOptions) -> dict[str, Any]:
     )
     if args.drafter_only:
         flops["total"] -= flops["target"]
-    elif needs_teacher(cfg):
+    if needs_teacher(cfg):  # drafter-only: the teacher's LM head still runs in every step
         flops["total"] += teacher_flops(
-            bench_run.target.config, bench_run.draft_config, seq_len, anchors, args.rows
-        )
+            bench_run.target.config, bench_run.draft_config, seq_len, anchors, args.rows,
+            target_layers=not args.drafter_only,
+        )  # fmt: skip
     device = bench_run.info.device
     return {
         **result_header(args, device, seq_len, anchors),
@@ -314,14 +315,17 @@ def needs_teacher(cfg) -> bool:
     return LossOptions.from_train_config(cfg.train, cfg.drafter).needs_teacher
 
 
-def teacher_flops(target_config, draft_config, seq_len: int, num_anchors: int, rows: int) -> float:
-    """What a KL loss adds to a step: the target layers after max(target_layer_ids) and the
-    teacher's LM-head forward over every block token."""
+def teacher_flops(
+    target_config, draft_config, seq_len: int, num_anchors: int, rows: int, *, target_layers: bool = True
+) -> float:
+    """What a KL loss adds to a step: the target layers after max(target_layer_ids) (not with
+    ``target_layers`` False: drafter-only, the features were computed once) and the teacher's
+    LM-head forward over every scored block token."""
     from dflash_train.models.presets import text_config
     from dflash_train.train.flops import target_layer_flops
 
     tc = text_config(target_config)
-    first = max(draft_config.target_layer_ids) + 1
+    first = max(draft_config.target_layer_ids) + 1 if target_layers else tc.num_hidden_layers
     layers = sum(target_layer_flops(tc, i, seq_len) for i in range(first, tc.num_hidden_layers))
     head = (
         2.0 * num_anchors * draft_config.num_draft_tokens * draft_config.hidden_size * draft_config.vocab_size
