@@ -184,3 +184,12 @@ def test_drafter_only_flops_count_the_teacher_head_the_step_runs():
     target = tiny_hybrid_target_config()
     head = 2.0 * 32 * (8 - 1) * target.hidden_size * target.vocab_size  # anchors x draft tokens x H x V
     assert tflop["kl"] - tflop["ce"] == pytest.approx(head / 1e12)
+
+
+def test_bench_reports_the_attention_backend_the_drafter_trained_with():
+    """``--attention-backend flex`` on a CPU trains on chunked SDPA (flex has no CPU backward): the
+    result names what ran, not what was asked for."""
+    from dflash_train.bench.train_step import BenchOptions, run_bench
+
+    options = BenchOptions(preset="tiny", attention_backend="flex", steps=1, warmup=0, device="cpu")
+    assert run_bench(options)["attention_backend"] == "sdpa"

@@ -212,6 +212,8 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_bench(args: BenchOptions) -> dict[str, Any]:
     """Build the bench run, time ``args.steps`` full train steps after ``args.warmup`` warm-up steps."""
+    from dflash_train.train.builders import resolve_backend
+
     cfg, seq_len, anchors = bench_config(args)
     use_expandable_segments()  # the allocator configuration training uses
     bench_run = build_bench_run(
@@ -239,9 +241,7 @@ def run_bench(args: BenchOptions) -> dict[str, Any]:
         "variant": bench_run.draft_config.variant,
         "drafter_only": bool(args.drafter_only),
         "objective": cfg.train.loss,
-        "attention_backend": "flex"
-        if (args.attention_backend == "auto" and device.type == "cuda")
-        else (args.attention_backend if args.attention_backend != "auto" else "sdpa"),
+        "attention_backend": resolve_backend(cfg, bench_run.info),  # what the drafter ran on
         "compile": cfg.train.compile,
         "target_compile": cfg.target.compile,
         "target_fp8": cfg.target.fp8,
