@@ -193,3 +193,28 @@ def test_bench_reports_the_attention_backend_the_drafter_trained_with():
 
     options = BenchOptions(preset="tiny", attention_backend="flex", steps=1, warmup=0, device="cpu")
     assert run_bench(options)["attention_backend"] == "sdpa"
+
+
+def test_the_timed_steps_start_after_the_device_has_finished_earlier_work(monkeypatch):
+    """On CUDA the clock of the timed steps starts after a sync, also without warm-up steps: the
+    work queued before them (building the weights, the drafter-only feature pass) is not theirs."""
+    import dflash_train.bench.train_step as bench_train
+    from dflash_train.bench.train_step import BenchOptions, bench_config, build_bench_run
+
+    options = BenchOptions(preset="tiny", drafter_only=True, steps=1, warmup=0, device="cpu")
+    cfg, seq_len, _ = bench_config(options)
+    run = build_bench_run(cfg, 1, seq_len, bench_train.pick_device("cpu"), drafter_only=True)
+    events = []
+
+    class Clock:
+        @staticmethod
+        def perf_counter():
+            events.append("clock")
+            return float(len(events))
+
+    monkeypatch.setattr(bench_train, "time", Clock)
+    monkeypatch.setattr(bench_train, "_sync", lambda device: events.append("sync"))
+    bench_train.time_train_steps(run, steps=1, warmup=0)
+    # clocks: warm-up start and end, then the timed steps' start and end
+    timed_start = [i for i, event in enumerate(events) if event == "clock"][2]
+    assert "sync" in events[:timed_start]

@@ -354,6 +354,7 @@ def time_train_steps(run, steps: int, warmup: int, progress: StepProgress | None
     warmup_s = time.perf_counter() - t0
     warmed = compile_counts()
     timer.collect()
+    _sync(device)  # without warm-up steps, the work queued before (weights, drafter-only features)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
