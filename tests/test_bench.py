@@ -169,3 +169,52 @@ def test_drafter_recompile_limit_covers_every_bucket_variant():
     assert drafter_recompile_limit(qwen36, DataConfig(seq_buckets=[1024, 2048, 4096])) == 2 * 3 * 3
     assert drafter_recompile_limit(qwen36, DataConfig(seq_buckets=[1024, 2048, 4096], packing=True)) == 2 * 3
     assert drafter_recompile_limit(["full_attention"] * 5, DataConfig(seq_buckets=[256, 512])) == 2 * 2 * 2
+
+
+def test_drafter_only_flops_count_the_teacher_head_the_step_runs():
+    """``--drafter-only --loss kl``: the features (final hidden state included) are computed once,
+    but every timed step still runs the teacher's LM head over the scored tokens, so its FLOPs count."""
+    from dflash_train.bench.train_step import BenchOptions, run_bench
+    from dflash_train.models.presets import tiny_hybrid_target_config
+
+    tflop = {}
+    for loss in ("ce", "kl"):
+        options = BenchOptions(preset="tiny", drafter_only=True, loss=loss, steps=1, warmup=0, device="cpu")
+        tflop[loss] = run_bench(options)["tflop_per_step"]
+    target = tiny_hybrid_target_config()
+    head = 2.0 * 32 * (8 - 1) * target.hidden_size * target.vocab_size  # anchors x draft tokens x H x V
+    assert tflop["kl"] - tflop["ce"] == pytest.approx(head / 1e12)
+
+
+def test_bench_reports_the_attention_backend_the_drafter_trained_with():
+    """``--attention-backend flex`` on a CPU trains on chunked SDPA (flex has no CPU backward): the
+    result names what ran, not what was asked for."""
+    from dflash_train.bench.train_step import BenchOptions, run_bench
+
+    options = BenchOptions(preset="tiny", attention_backend="flex", steps=1, warmup=0, device="cpu")
+    assert run_bench(options)["attention_backend"] == "sdpa"
+
+
+def test_the_timed_steps_start_after_the_device_has_finished_earlier_work(monkeypatch):
+    """On CUDA the clock of the timed steps starts after a sync, also without warm-up steps: the
+    work queued before them (building the weights, the drafter-only feature pass) is not theirs."""
+    import dflash_train.bench.train_step as bench_train
+    from dflash_train.bench.train_step import BenchOptions, bench_config, build_bench_run
+
+    options = BenchOptions(preset="tiny", drafter_only=True, steps=1, warmup=0, device="cpu")
+    cfg, seq_len, _ = bench_config(options)
+    run = build_bench_run(cfg, 1, seq_len, bench_train.pick_device("cpu"), drafter_only=True)
+    events = []
+
+    class Clock:
+        @staticmethod
+        def perf_counter():
+            events.append("clock")
+            return float(len(events))
+
+    monkeypatch.setattr(bench_train, "time", Clock)
+    monkeypatch.setattr(bench_train, "_sync", lambda device: events.append("sync"))
+    bench_train.time_train_steps(run, steps=1, warmup=0)
+    # clocks: warm-up start and end, then the timed steps' start and end
+    timed_start = [i for i, event in enumerate(events) if event == "clock"][2]
+    assert "sync" in events[:timed_start]

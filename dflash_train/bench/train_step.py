@@ -212,6 +212,8 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_bench(args: BenchOptions) -> dict[str, Any]:
     """Build the bench run, time ``args.steps`` full train steps after ``args.warmup`` warm-up steps."""
+    from dflash_train.train.builders import resolve_backend
+
     cfg, seq_len, anchors = bench_config(args)
     use_expandable_segments()  # the allocator configuration training uses
     bench_run = build_bench_run(
@@ -227,10 +229,11 @@ def run_bench(args: BenchOptions) -> dict[str, Any]:
     )
     if args.drafter_only:
         flops["total"] -= flops["target"]
-    elif needs_teacher(cfg):
+    if needs_teacher(cfg):  # drafter-only: the teacher's LM head still runs in every step
         flops["total"] += teacher_flops(
-            bench_run.target.config, bench_run.draft_config, seq_len, anchors, args.rows
-        )
+            bench_run.target.config, bench_run.draft_config, seq_len, anchors, args.rows,
+            target_layers=not args.drafter_only,
+        )  # fmt: skip
     device = bench_run.info.device
     return {
         **result_header(args, device, seq_len, anchors),
@@ -238,9 +241,7 @@ def run_bench(args: BenchOptions) -> dict[str, Any]:
         "variant": bench_run.draft_config.variant,
         "drafter_only": bool(args.drafter_only),
         "objective": cfg.train.loss,
-        "attention_backend": "flex"
-        if (args.attention_backend == "auto" and device.type == "cuda")
-        else (args.attention_backend if args.attention_backend != "auto" else "sdpa"),
+        "attention_backend": resolve_backend(cfg, bench_run.info),  # what the drafter ran on
         "compile": cfg.train.compile,
         "target_compile": cfg.target.compile,
         "target_fp8": cfg.target.fp8,
@@ -314,14 +315,17 @@ def needs_teacher(cfg) -> bool:
     return LossOptions.from_train_config(cfg.train, cfg.drafter).needs_teacher
 
 
-def teacher_flops(target_config, draft_config, seq_len: int, num_anchors: int, rows: int) -> float:
-    """What a KL loss adds to a step: the target layers after max(target_layer_ids) and the
-    teacher's LM-head forward over every block token."""
+def teacher_flops(
+    target_config, draft_config, seq_len: int, num_anchors: int, rows: int, *, target_layers: bool = True
+) -> float:
+    """What a KL loss adds to a step: the target layers after max(target_layer_ids) (not with
+    ``target_layers`` False: drafter-only, the features were computed once) and the teacher's
+    LM-head forward over every scored block token."""
     from dflash_train.models.presets import text_config
     from dflash_train.train.flops import target_layer_flops
 
     tc = text_config(target_config)
-    first = max(draft_config.target_layer_ids) + 1
+    first = max(draft_config.target_layer_ids) + 1 if target_layers else tc.num_hidden_layers
     layers = sum(target_layer_flops(tc, i, seq_len) for i in range(first, tc.num_hidden_layers))
     head = (
         2.0 * num_anchors * draft_config.num_draft_tokens * draft_config.hidden_size * draft_config.vocab_size
@@ -350,6 +354,7 @@ def time_train_steps(run, steps: int, warmup: int, progress: StepProgress | None
     warmup_s = time.perf_counter() - t0
     warmed = compile_counts()
     timer.collect()
+    _sync(device)  # without warm-up steps, the work queued before (weights, drafter-only features)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
