@@ -249,6 +249,11 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError("train.lr must be > 0, train.warmup_ratio in [0, 1), train.min_lr_ratio in [0, 1].")
     if len(t.betas) != 2:
         raise ValueError(f"train.betas={t.betas}: give two numbers, e.g. [0.9, 0.95].")
+    if not t.clip_grad_norm > 0:  # gradients are scaled by clip_grad_norm / norm: 0 zeroes them
+        raise ValueError(
+            f"train.clip_grad_norm={t.clip_grad_norm}: the gradient-norm limit must be > 0 (e.g. 1.0; 0 would "
+            "zero every gradient, a negative one reverse it); for no clipping give .inf."
+        )
     if t.grad_accum < 1 or t.num_epochs < 1 or t.max_steps < 0:
         raise ValueError("train.grad_accum and train.num_epochs must be >= 1, train.max_steps >= 0.")
     validate_target_layer_ids(cfg.target)

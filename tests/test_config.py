@@ -110,3 +110,12 @@ def test_a_run_by_epochs_trains_every_micro_batch_but_the_last_remainder():
     cfg = load_config("tiny-cpu", ["train.max_steps=0", "train.num_epochs=1", "train.grad_accum=2"])
     with pytest.raises(ValueError, match="fewer than train.grad_accum=2"):
         total_steps(cfg, 1)
+
+
+@pytest.mark.parametrize("value", ["0", "-1.0"])
+def test_clip_grad_norm_must_be_positive(value):
+    """clip_grad_norm_ scales every gradient by max_norm / norm: 0 (often "no clipping" elsewhere) zeroed
+    them, so the drafter never moved, and a negative value reversed them; both were accepted."""
+    with pytest.raises(ValueError, match=rf"train.clip_grad_norm={float(value)}: .*> 0.*\.inf"):
+        load_config("tiny-cpu", [f"train.clip_grad_norm={value}"])
+    assert load_config("tiny-cpu", ["train.clip_grad_norm=.inf"]).train.clip_grad_norm == float("inf")
