@@ -217,6 +217,14 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(
             f"drafter.block_size={d.block_size}: a block needs the anchor plus at least one predicted token; use 16 (or 8/10)."
         )
+    # The shape fields whose 0 means "the preset's or the target's" (presets.resolve_drafter_config).
+    shape = "num_hidden_layers hidden_size intermediate_size num_attention_heads num_key_value_heads head_dim"
+    shape += " rms_norm_eps rope_theta max_position_embeddings sliding_window"
+    negative = [k for k in shape.split() if getattr(d, k) < 0]
+    if negative:
+        raise ValueError(
+            f"drafter.{negative[0]}={getattr(d, negative[0])}: must be > 0, or 0 for the preset's (or the target's) value."
+        )
     if t.num_anchors < 1:
         raise ValueError(
             f"train.num_anchors={t.num_anchors}: must be >= 1 (the paper uses 512 for 4K-token rows)."
@@ -230,8 +238,6 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(
             f"drafter.layer_types has {len(d.layer_types)} entries but drafter.num_hidden_layers={d.num_hidden_layers}: give one type per layer."
         )
-    if "sliding_attention" in d.layer_types and d.sliding_window < 0:
-        raise ValueError("drafter.sliding_window must be > 0 when a layer is 'sliding_attention'.")
     if sorted(dt.seq_buckets) != dt.seq_buckets or not dt.seq_buckets or dt.seq_buckets[0] < 2:
         raise ValueError(
             f"data.seq_buckets={dt.seq_buckets}: give a non-empty ascending list of lengths >= 2, e.g. [1024, 2048, 4096]."

@@ -119,3 +119,13 @@ def test_clip_grad_norm_must_be_positive(value):
     with pytest.raises(ValueError, match=rf"train.clip_grad_norm={float(value)}: .*> 0.*\.inf"):
         load_config("tiny-cpu", [f"train.clip_grad_norm={value}"])
     assert load_config("tiny-cpu", ["train.clip_grad_norm=.inf"]).train.clip_grad_norm == float("inf")
+
+
+@pytest.mark.parametrize(
+    "key", ["num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "head_dim"]
+)
+def test_negative_drafter_sizes_are_refused(key):
+    """0 means the preset's / the target's size; a negative one (-1 read as "auto") was accepted and
+    failed at the drafter's build with a torch traceback ("negative dimension")."""
+    with pytest.raises(ValueError, match=rf"drafter.{key}=-1: .*0 for the preset's"):
+        load_config("tiny-cpu", [f"drafter.{key}=-1"])
