@@ -342,9 +342,16 @@ def validate_target_layer_ids(target: TargetConfig) -> None:
     layers and off its last one (every target is checked again on load: ``check_serving_layer_ids``)."""
     from dflash_train.models import drafter_config, presets  # lazy: presets imports transformers
 
-    ids = target.target_layer_ids
+    ids, count = target.target_layer_ids, target.num_target_features
     if any(i < 0 for i in ids):
         raise ValueError(f"target.target_layer_ids={ids}: layer ids are 0-based and >= 0.")
+    if count < 1:
+        raise ValueError(f"target.num_target_features={count}: give a count >= 1 (DFlash uses 5).")
+    if ids and count not in (len(ids), TargetConfig.num_target_features):  # the count is the ids' then
+        raise ValueError(
+            f"target.num_target_features={count} but target.target_layer_ids={ids} has {len(ids)} ids, which "
+            f"decide the features: give {count} ids, or target.target_layer_ids=[] for the default {count} layers."
+        )
     drafter_config.check_ascending_layer_ids(ids)
     name = target.path.removeprefix("preset:")
     if ids and target.path.startswith("preset:") and name in presets.TARGET_PRESETS:

@@ -129,3 +129,18 @@ def test_negative_drafter_sizes_are_refused(key):
     failed at the drafter's build with a torch traceback ("negative dimension")."""
     with pytest.raises(ValueError, match=rf"drafter.{key}=-1: .*0 for the preset's"):
         load_config("tiny-cpu", [f"drafter.{key}=-1"])
+
+
+def test_num_target_features_that_the_layer_ids_overrule_is_refused():
+    """target.num_target_features only counts the default layers: beside a recipe's target_layer_ids
+    (tiny-cpu has 4) a different count was silently ignored, and 0 or less gave one feature."""
+    with pytest.raises(
+        ValueError, match=r"target.num_target_features=3 but target.target_layer_ids=\[0, 1, 2, 3\]"
+    ):
+        load_config("tiny-cpu", ["target.num_target_features=3"])
+    for value in ("0", "-2"):
+        with pytest.raises(ValueError, match=rf"target.num_target_features={value}: .*>= 1"):
+            load_config("tiny-cpu", ["target.target_layer_ids=[]", f"target.num_target_features={value}"])
+    assert load_config("tiny-cpu", ["target.num_target_features=4"]).target.num_target_features == 4
+    cfg = load_config("tiny-cpu", ["target.target_layer_ids=[]", "target.num_target_features=3"])
+    assert cfg.target.num_target_features == 3
