@@ -262,6 +262,10 @@ def validate(cfg: RunConfig) -> None:
         )
     if t.grad_accum < 1 or t.num_epochs < 1 or t.max_steps < 0:
         raise ValueError("train.grad_accum and train.num_epochs must be >= 1, train.max_steps >= 0.")
+    if t.seed < 0:
+        raise ValueError(
+            f"train.seed={t.seed}: give a seed >= 0 (a run is reproducible from it; there is no random one)."
+        )
     validate_target_layer_ids(cfg.target)
     if cfg.target.fsdp_shard:
         raise ValueError(

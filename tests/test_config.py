@@ -144,3 +144,10 @@ def test_num_target_features_that_the_layer_ids_overrule_is_refused():
     assert load_config("tiny-cpu", ["target.num_target_features=4"]).target.num_target_features == 4
     cfg = load_config("tiny-cpu", ["target.target_layer_ids=[]", "target.num_target_features=3"])
     assert cfg.target.num_target_features == 3
+
+
+def test_negative_seed_is_refused():
+    """seed=-1 ("random", as in llama.cpp) was accepted, and the run failed after building the target
+    and the drafter with "expected non-negative integer", naming no key."""
+    with pytest.raises(ValueError, match=r"train.seed=-1: .*>= 0"):
+        load_config("tiny-cpu", ["train.seed=-1"])
