@@ -262,6 +262,11 @@ def validate(cfg: RunConfig) -> None:
         )
     if t.grad_accum < 1 or t.num_epochs < 1 or t.max_steps < 0:
         raise ValueError("train.grad_accum and train.num_epochs must be >= 1, train.max_steps >= 0.")
+    if not t.dist_timeout_s > 0:  # a collective's timeout: 0 is not "none", every wait fails at once
+        raise ValueError(
+            f"train.dist_timeout_s={t.dist_timeout_s}: give the seconds a rank waits on a collective, > 0 "
+            "(1800 by default; there is no 'no timeout')."
+        )
     if t.seed < 0:
         raise ValueError(
             f"train.seed={t.seed}: give a seed >= 0 (a run is reproducible from it; there is no random one)."

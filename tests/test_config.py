@@ -151,3 +151,11 @@ def test_negative_seed_is_refused():
     and the drafter with "expected non-negative integer", naming no key."""
     with pytest.raises(ValueError, match=r"train.seed=-1: .*>= 0"):
         load_config("tiny-cpu", ["train.seed=-1"])
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_dist_timeout_must_be_positive(value):
+    """0 (read as "no timeout", as watchdog_s=0 is "off") was accepted; under torchrun every rank then
+    failed at once joining the group ("client socket has timed out after 0ms")."""
+    with pytest.raises(ValueError, match=rf"train.dist_timeout_s={float(value)}: .*> 0"):
+        load_config("tiny-cpu", [f"train.dist_timeout_s={value}"])
