@@ -217,6 +217,14 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(
             f"drafter.block_size={d.block_size}: a block needs the anchor plus at least one predicted token; use 16 (or 8/10)."
         )
+    # The shape fields whose 0 means "the preset's or the target's" (presets.resolve_drafter_config).
+    shape = "num_hidden_layers hidden_size intermediate_size num_attention_heads num_key_value_heads head_dim"
+    shape += " rms_norm_eps rope_theta max_position_embeddings sliding_window"
+    negative = [k for k in shape.split() if getattr(d, k) < 0]
+    if negative:
+        raise ValueError(
+            f"drafter.{negative[0]}={getattr(d, negative[0])}: must be > 0, or 0 for the preset's (or the target's) value."
+        )
     if t.num_anchors < 1:
         raise ValueError(
             f"train.num_anchors={t.num_anchors}: must be >= 1 (the paper uses 512 for 4K-token rows)."
@@ -230,8 +238,6 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(
             f"drafter.layer_types has {len(d.layer_types)} entries but drafter.num_hidden_layers={d.num_hidden_layers}: give one type per layer."
         )
-    if "sliding_attention" in d.layer_types and d.sliding_window < 0:
-        raise ValueError("drafter.sliding_window must be > 0 when a layer is 'sliding_attention'.")
     if sorted(dt.seq_buckets) != dt.seq_buckets or not dt.seq_buckets or dt.seq_buckets[0] < 2:
         raise ValueError(
             f"data.seq_buckets={dt.seq_buckets}: give a non-empty ascending list of lengths >= 2, e.g. [1024, 2048, 4096]."
@@ -249,8 +255,22 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError("train.lr must be > 0, train.warmup_ratio in [0, 1), train.min_lr_ratio in [0, 1].")
     if len(t.betas) != 2:
         raise ValueError(f"train.betas={t.betas}: give two numbers, e.g. [0.9, 0.95].")
+    if not t.clip_grad_norm > 0:  # gradients are scaled by clip_grad_norm / norm: 0 zeroes them
+        raise ValueError(
+            f"train.clip_grad_norm={t.clip_grad_norm}: the gradient-norm limit must be > 0 (e.g. 1.0; 0 would "
+            "zero every gradient, a negative one reverse it); for no clipping give .inf."
+        )
     if t.grad_accum < 1 or t.num_epochs < 1 or t.max_steps < 0:
         raise ValueError("train.grad_accum and train.num_epochs must be >= 1, train.max_steps >= 0.")
+    if not t.dist_timeout_s > 0:  # a collective's timeout: 0 is not "none", every wait fails at once
+        raise ValueError(
+            f"train.dist_timeout_s={t.dist_timeout_s}: give the seconds a rank waits on a collective, > 0 "
+            "(1800 by default; there is no 'no timeout')."
+        )
+    if t.seed < 0:
+        raise ValueError(
+            f"train.seed={t.seed}: give a seed >= 0 (a run is reproducible from it; there is no random one)."
+        )
     validate_target_layer_ids(cfg.target)
     if cfg.target.fsdp_shard:
         raise ValueError(
@@ -331,9 +351,16 @@ def validate_target_layer_ids(target: TargetConfig) -> None:
     layers and off its last one (every target is checked again on load: ``check_serving_layer_ids``)."""
     from dflash_train.models import drafter_config, presets  # lazy: presets imports transformers
 
-    ids = target.target_layer_ids
+    ids, count = target.target_layer_ids, target.num_target_features
     if any(i < 0 for i in ids):
         raise ValueError(f"target.target_layer_ids={ids}: layer ids are 0-based and >= 0.")
+    if count < 1:
+        raise ValueError(f"target.num_target_features={count}: give a count >= 1 (DFlash uses 5).")
+    if ids and count not in (len(ids), TargetConfig.num_target_features):  # the count is the ids' then
+        raise ValueError(
+            f"target.num_target_features={count} but target.target_layer_ids={ids} has {len(ids)} ids, which "
+            f"decide the features: give {count} ids, or target.target_layer_ids=[] for the default {count} layers."
+        )
     drafter_config.check_ascending_layer_ids(ids)
     name = target.path.removeprefix("preset:")
     if ids and target.path.startswith("preset:") and name in presets.TARGET_PRESETS:

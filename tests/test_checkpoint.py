@@ -39,6 +39,18 @@ def test_only_committed_folders_count_and_old_ones_are_pruned(tmp_path):
         ckpt.load_checkpoint(partial)
 
 
+def test_resuming_from_a_path_that_is_no_checkpoint_says_what_to_give(tmp_path):
+    """checkpoint.resume=<a typo> or =<the run's output_dir> was reported as a checkpoint "interrupted
+    while saving", to be replaced by an older one."""
+    write(tmp_path, 1)
+    with pytest.raises(ValueError, match=r"checkpoint.resume=.*no-such: no such directory; give auto, never"):
+        ckpt.load_checkpoint(tmp_path / "no-such")
+    with pytest.raises(
+        ValueError, match=r"is a run's output_dir, not one of its checkpoints: give .*step-00000001"
+    ):
+        ckpt.load_checkpoint(tmp_path)
+
+
 def test_sharded_checkpoint_holds_the_model_and_the_optimizer(tmp_path):
     path, model = write(tmp_path, 1, value=2.0)
     loaded = ckpt.load_checkpoint(path)

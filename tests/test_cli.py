@@ -59,3 +59,20 @@ def test_bench_options_come_from_the_parser_with_the_same_defaults():
         options_from_args(BenchOptions, args)
     with pytest.raises(ValueError, match="--preset 'huge'"):
         BenchOptions(preset="huge")
+
+
+def test_a_device_name_torch_does_not_know_is_a_one_line_error(capsys):
+    """`gpu` (for cuda) raised torch's RuntimeError with a traceback from deep in each command."""
+    from dflash_train import cli
+    from dflash_train.eval.command import resolve_device as eval_device
+    from dflash_train.generate.sampling import resolve_device as generation_device
+    from dflash_train.train.parallel import pick_device
+
+    assert cli.main(["train", "tiny-cpu", "train.device=gpu"]) == 1
+    assert "train.device='gpu' is not a device name: use auto, cpu, cuda" in capsys.readouterr().err
+    for resolve, setting in ((pick_device, "train.device"), (eval_device, "--device")):
+        with pytest.raises(ValueError, match=f"{setting}='gpu' is not a device name"):
+            resolve("gpu")
+    with pytest.raises(ValueError, match="--device='gpu' is not a device name"):
+        generation_device("gpu")
+    assert generation_device("cpu") == "cpu" and eval_device("cpu").type == "cpu"

@@ -110,3 +110,52 @@ def test_a_run_by_epochs_trains_every_micro_batch_but_the_last_remainder():
     cfg = load_config("tiny-cpu", ["train.max_steps=0", "train.num_epochs=1", "train.grad_accum=2"])
     with pytest.raises(ValueError, match="fewer than train.grad_accum=2"):
         total_steps(cfg, 1)
+
+
+@pytest.mark.parametrize("value", ["0", "-1.0"])
+def test_clip_grad_norm_must_be_positive(value):
+    """clip_grad_norm_ scales every gradient by max_norm / norm: 0 (often "no clipping" elsewhere) zeroed
+    them, so the drafter never moved, and a negative value reversed them; both were accepted."""
+    with pytest.raises(ValueError, match=rf"train.clip_grad_norm={float(value)}: .*> 0.*\.inf"):
+        load_config("tiny-cpu", [f"train.clip_grad_norm={value}"])
+    assert load_config("tiny-cpu", ["train.clip_grad_norm=.inf"]).train.clip_grad_norm == float("inf")
+
+
+@pytest.mark.parametrize(
+    "key", ["num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "head_dim"]
+)
+def test_negative_drafter_sizes_are_refused(key):
+    """0 means the preset's / the target's size; a negative one (-1 read as "auto") was accepted and
+    failed at the drafter's build with a torch traceback ("negative dimension")."""
+    with pytest.raises(ValueError, match=rf"drafter.{key}=-1: .*0 for the preset's"):
+        load_config("tiny-cpu", [f"drafter.{key}=-1"])
+
+
+def test_num_target_features_that_the_layer_ids_overrule_is_refused():
+    """target.num_target_features only counts the default layers: beside a recipe's target_layer_ids
+    (tiny-cpu has 4) a different count was silently ignored, and 0 or less gave one feature."""
+    with pytest.raises(
+        ValueError, match=r"target.num_target_features=3 but target.target_layer_ids=\[0, 1, 2, 3\]"
+    ):
+        load_config("tiny-cpu", ["target.num_target_features=3"])
+    for value in ("0", "-2"):
+        with pytest.raises(ValueError, match=rf"target.num_target_features={value}: .*>= 1"):
+            load_config("tiny-cpu", ["target.target_layer_ids=[]", f"target.num_target_features={value}"])
+    assert load_config("tiny-cpu", ["target.num_target_features=4"]).target.num_target_features == 4
+    cfg = load_config("tiny-cpu", ["target.target_layer_ids=[]", "target.num_target_features=3"])
+    assert cfg.target.num_target_features == 3
+
+
+def test_negative_seed_is_refused():
+    """seed=-1 ("random", as in llama.cpp) was accepted, and the run failed after building the target
+    and the drafter with "expected non-negative integer", naming no key."""
+    with pytest.raises(ValueError, match=r"train.seed=-1: .*>= 0"):
+        load_config("tiny-cpu", ["train.seed=-1"])
+
+
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_dist_timeout_must_be_positive(value):
+    """0 (read as "no timeout", as watchdog_s=0 is "off") was accepted; under torchrun every rank then
+    failed at once joining the group ("client socket has timed out after 0ms")."""
+    with pytest.raises(ValueError, match=rf"train.dist_timeout_s={float(value)}: .*> 0"):
+        load_config("tiny-cpu", [f"train.dist_timeout_s={value}"])

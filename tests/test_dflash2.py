@@ -332,6 +332,11 @@ def test_export_roundtrip_keeps_drafts_and_writes_the_dflash2_layout(batch, tmp_
 def test_settings_of_another_variant_are_refused():
     with pytest.raises(ValueError, match="drafter.selector_rank"):
         DrafterConfig(variant="dflash", selector_rank=64)
+    # A loss weight of another variant (its default is not 0) was ignored without a word.
+    with pytest.raises(ValueError, match="drafter.dspark_tv_weight set with drafter.variant=dflash"):
+        DrafterConfig(variant="dflash", dspark_tv_weight=0.5)
+    with pytest.raises(ValueError, match="drafter.selector_loss_weight set with drafter.variant=dspark"):
+        DrafterConfig(variant="dspark", selector_loss_weight=2.0)
     with pytest.raises(ValueError, match="conv_group_size=24 must divide hidden_size=64"):
         make_drafter(conv_group_size=24)
 

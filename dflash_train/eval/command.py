@@ -28,6 +28,7 @@ from dflash_train.eval.report import ProgressBars, finish_report
 from dflash_train.eval.runner import default_eos_ids, evaluate
 from dflash_train.eval.speculative import Generation
 from dflash_train.eval.verdict import verdict
+from dflash_train.models.dtypes import parse_device
 
 
 def run_eval(options: EvalOptions) -> dict[str, Any]:
@@ -242,7 +243,7 @@ def resolve_device(name: str) -> torch.device:
     """``auto`` = CUDA when available, else CPU."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    return parse_device(name, "--device")
 
 
 def resolve_eval_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -47,6 +47,7 @@ from dflash_train.eval.prompts import PromptFile
 from dflash_train.eval.serve_prompts import ServePrompt, load_serve_prompts
 from dflash_train.eval.serve_runs import combined_run, engine_configurations, engine_runs
 from dflash_train.eval.summary import ratio, summarize_rounds
+from dflash_train.models.dtypes import parse_device
 from dflash_train.models.serving import LOOKUP_KEY_SIZE, LOOKUP_MAX_DRAFT
 
 NGRAM_TYPES = ("ngram-simple", "ngram-mod", "ngram-map-k", "ngram-map-k4v", "ngram-cache")
@@ -263,7 +264,7 @@ def exact_eval(options: ServeCheckOptions, export: Path) -> dict[str, Any]:
     from dflash_train.eval.options import EvalOptions
     from dflash_train.eval.target_session import decoder_layers
 
-    device = torch.device(options.device)
+    device = parse_device(options.device, "--device")
     target_model, tokenizer = load_eval_target(options.target_hf, torch.float32, device)
     drafter = load_eval_drafter(str(export), device, torch.float32)
     frozen = check_drafter_fits(drafter.config, target_model, tokenizer)

@@ -35,6 +35,7 @@ import torch
 from dflash_train.generate.loops import LoopStop, looping_rows
 from dflash_train.generate.nucleus import nucleus_tokens
 from dflash_train.hashing import shift_right_logical, splitmix64
+from dflash_train.models.dtypes import parse_device
 
 CHECK_EVERY = 4  # steps between host syncs that test "all rows done" and compact the batch
 MIN_ROWS_TO_COMPACT = 8
@@ -245,6 +246,7 @@ def resolve_device(device: str) -> str:
     """``auto`` -> cuda when available, else cpu."""
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
+    parse_device(device, "--device")  # a name torch does not know fails here, not in the model's load
     return device
 
 

@@ -117,9 +117,17 @@ def check_variant_settings(d: DrafterConfig) -> None:
     """Settings of another variant than ``drafter.variant`` are refused (they would be ignored)."""
     variant = get_variant(d.variant)
     others = [v for v in registered_variants() if v is not variant]
+    # Sizes are set when not 0, loss weights when not their default (which is not 0).
     foreign = [f"drafter.{k}" for v in others for k in v.recipe_sizes if getattr(d, k)]
+    foreign += [
+        f"drafter.{k}" for v in others for k in v.recipe_weights if getattr(d, k) != getattr(DrafterConfig, k)
+    ]
     if foreign:
-        owners = "; ".join(f"{', '.join(v.recipe_sizes)} are {v.name}'s" for v in others if v.recipe_sizes)
+        owners = "; ".join(
+            f"{', '.join((*v.recipe_sizes, *v.recipe_weights))} are {v.name}'s"
+            for v in others
+            if v.recipe_sizes or v.recipe_weights
+        )
         raise ValueError(
             f"{', '.join(foreign)} set with drafter.variant={d.variant}: they configure another variant "
             f"({owners}); remove them or set drafter.variant."

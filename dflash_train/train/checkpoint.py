@@ -349,6 +349,15 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """Read a committed checkpoint's drafter config, train state and recipe (and, in the older
     single-file layout, the full drafter state); the DCP shards are read by ``load_sharded_state``."""
     path = Path(path)
+    if not path.is_dir():
+        raise ValueError(
+            f"checkpoint.resume={path}: no such directory; give auto, never, or a checkpoint (<output_dir>/checkpoints/step-N)."
+        )
+    if latest_checkpoint(path) is not None:
+        raise ValueError(
+            f"checkpoint.resume={path} is a run's output_dir, not one of its checkpoints: give {latest_checkpoint(path)} "
+            f"(its newest), or checkpoint.resume=auto with output_dir={path}."
+        )
     if not (path / COMMIT_MARKER).is_file():
         raise ValueError(
             f"{path} is not a committed checkpoint (no {COMMIT_MARKER} marker): it was interrupted while saving; resume from an older one."

@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from dflash_train.models.dtypes import parse_device
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -52,8 +54,12 @@ def pick_device(requested: str, local_rank: int = 0) -> torch.device:
             raise ValueError(
                 f"train.device={requested} but no CUDA device is visible; use train.device=cpu or auto."
             )
-        return torch.device("cuda", local_rank) if requested == "cuda" else torch.device(requested)
-    return torch.device(requested)
+        return (
+            torch.device("cuda", local_rank)
+            if requested == "cuda"
+            else parse_device(requested, "train.device")
+        )
+    return parse_device(requested, "train.device")
 
 
 def init_distributed(requested_device: str = "auto", timeout_s: float = 1800.0) -> DistInfo:
