@@ -532,3 +532,22 @@ def test_ranks_that_recover_export_best_at_once_all_find_it(tmp_path, monkeypatc
         thread.join(timeout=20)
     assert errors == [] and found == [tmp_path / "export-best"] * 2
     assert (tmp_path / "export-best" / "eval.json").is_file() and not old.exists()
+
+
+@pytest.mark.gpu
+def test_training_with_eval_prompts_on_cuda_evaluates_an_attention_only_targets_drafter(
+    task, prompt_files, tiny_qwen3_dir, tmp_path
+):
+    """A CUDA run with ``eval.prompts`` on an attention-only target (whose decode step defaults to flex
+    attention compiled): the held-out continuations are generated under the evaluation's forced-eager
+    stance, where that step once failed its CUDA-graph capture before the first training step."""
+    from dflash_train.train.trainer import train
+
+    out = tmp_path / "run"
+    overrides = [f"target.path={tiny_qwen3_dir}", "target.target_layer_ids=[0,1]", "train.device=cuda"]
+    cfg = tiny_config(
+        task, out, "train.max_steps=4", *overrides, *eval_overrides(prompt_files, every_steps=2)
+    )
+    assert train(cfg)["step"] == 4
+    evaluated = [(row["step"], row["eval_tau"]) for row in metric_rows(out) if "eval_tau" in row]
+    assert [step for step, _ in evaluated] == [2, 4] and all(tau >= 1.0 for _, tau in evaluated)
