@@ -9,6 +9,7 @@ config, which is stored in the run folder and in every checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -251,10 +252,14 @@ def validate(cfg: RunConfig) -> None:
             f"data.num_workers={dt.num_workers}: give the tokenization processes, or 0 for the CPUs this process may use."
         )
     validate_packing(cfg)
-    if t.lr <= 0 or not 0 <= t.warmup_ratio < 1 or not 0 <= t.min_lr_ratio <= 1:
-        raise ValueError("train.lr must be > 0, train.warmup_ratio in [0, 1), train.min_lr_ratio in [0, 1].")
-    if len(t.betas) != 2:
-        raise ValueError(f"train.betas={t.betas}: give two numbers, e.g. [0.9, 0.95].")
+    if not 0 < t.lr < math.inf:
+        raise ValueError(f"train.lr={t.lr}: give a finite learning rate > 0, e.g. 6e-4.")
+    if not 0 <= t.warmup_ratio < 1 or not 0 <= t.min_lr_ratio <= 1:
+        raise ValueError("train.warmup_ratio must be in [0, 1), train.min_lr_ratio in [0, 1].")
+    if len(t.betas) != 2 or not all(0 <= b < 1 for b in t.betas):
+        raise ValueError(f"train.betas={t.betas}: give two numbers in [0, 1) (AdamW's), e.g. [0.9, 0.95].")
+    if not t.weight_decay >= 0:
+        raise ValueError(f"train.weight_decay={t.weight_decay}: give a decay >= 0 (0: none).")
     if not t.clip_grad_norm > 0:  # gradients are scaled by clip_grad_norm / norm: 0 zeroes them
         raise ValueError(
             f"train.clip_grad_norm={t.clip_grad_norm}: the gradient-norm limit must be > 0 (e.g. 1.0; 0 would "
@@ -272,6 +277,9 @@ def validate(cfg: RunConfig) -> None:
             f"train.seed={t.seed}: give a seed >= 0 (a run is reproducible from it; there is no random one)."
         )
     validate_target_layer_ids(cfg.target)
+    from dflash_train.models.presets import check_drafter_preset  # lazy: presets imports transformers
+
+    check_drafter_preset(d.preset)
     if cfg.target.fsdp_shard:
         raise ValueError(
             "target.fsdp_shard=true: sharding the target is not implemented. A 27B bf16 target (54 GB) fits "

@@ -122,6 +122,24 @@ def test_clip_grad_norm_must_be_positive(value):
 
 
 @pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("train.betas=[0.9,1.5]", r"train.betas=\[0.9, 1.5\]: .*\[0, 1\)"),
+        ("train.betas=[-0.1,0.95]", r"train.betas=\[-0.1, 0.95\]: .*\[0, 1\)"),
+        ("train.weight_decay=-0.1", r"train.weight_decay=-0.1: .*>= 0"),
+        ("train.lr=nan", r"train.lr=nan: .*finite"),
+        ("train.lr=inf", r"train.lr=inf: .*finite"),
+        ("drafter.preset=tiyn", r"drafter.preset='tiyn' is unknown; use one of"),
+    ],
+)
+def test_optimizer_settings_and_the_drafter_preset_are_checked_at_load(override, match):
+    """Each was accepted at load and failed only after the target was built (AdamW's own message,
+    naming no key; the preset's lookup), or, for a non-finite lr, trained on NaN weights."""
+    with pytest.raises(ValueError, match=match):
+        load_config("tiny-cpu", [override])
+
+
+@pytest.mark.parametrize(
     "key", ["num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "head_dim"]
 )
 def test_negative_drafter_sizes_are_refused(key):

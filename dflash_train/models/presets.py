@@ -234,6 +234,14 @@ def text_config(config: PretrainedConfig) -> PretrainedConfig:
     return getattr(config, "text_config", None) or config
 
 
+def check_drafter_preset(name: str) -> None:
+    """``drafter.preset`` names a preset of ``DRAFTER_PRESETS`` or ``from-target``."""
+    if name != "from-target" and name not in DRAFTER_PRESETS:
+        raise ValueError(
+            f"drafter.preset={name!r} is unknown; use one of {['from-target', *DRAFTER_PRESETS]}."
+        )
+
+
 def resolve_drafter_config(
     drafter: DrafterConfig,
     target_config: PretrainedConfig,
@@ -243,10 +251,7 @@ def resolve_drafter_config(
 ) -> DFlashDraftConfig:
     """Complete drafter shape: explicit recipe fields > preset > the target's own shape."""
     tc = text_config(target_config)
-    if drafter.preset != "from-target" and drafter.preset not in DRAFTER_PRESETS:
-        raise ValueError(
-            f"drafter.preset={drafter.preset!r} is unknown; use one of {['from-target', *DRAFTER_PRESETS]}."
-        )
+    check_drafter_preset(drafter.preset)
     preset = dict(DRAFTER_PRESETS.get(drafter.preset, {}))
     rope = getattr(tc, "rope_parameters", None) or {}
     from_target = dict(
