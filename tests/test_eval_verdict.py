@@ -4,6 +4,7 @@ per-file report, output directory and pad-less tokenizers."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -417,3 +418,33 @@ def test_a_row_the_chat_template_cannot_render_is_a_counted_skip_with_its_line(t
         load_prompt_file(path, tokenizer)
     loaded = load_prompt_file(path, tokenizer, bad_rows=BadPromptRows(max_bad_rows=1))
     assert len(loaded.prompts) == 1 and loaded.skipped == {"template_error": 1}
+
+
+def test_a_prompt_that_does_not_fit_the_targets_context_is_a_bad_row(tiny_qwen3_dir, tmp_path, capsys):
+    """Prompt plus new tokens past the target's max_position_embeddings: tau would be measured where the
+    target was never trained (RoPE extrapolating) and was, silently; now it is a bad row named by its
+    line (the eval's default refuses it, --max-bad-rows counts it)."""
+    from dflash_train.cli import main
+    from dflash_train.eval.prompts import target_context
+    from dflash_train.models.export import save_drafter
+
+    model, tokenizer = save_padless_target(tiny_qwen3_dir, tmp_path / "target")
+    model.config.max_position_embeddings = 48
+    model.save_pretrained(tmp_path / "target")
+    drafter, config = make_drafter(model, tokenizer)
+    save_drafter(drafter, config, tmp_path / "drafter", dtype="float32")
+    path = write_rows(
+        tmp_path / "p.jsonl", [{"prompt": "def add(a, b):"}, {"prompt": " ".join(["the fox"] * 30)}]
+    )
+    loaded = load_prompt_file(
+        path, tokenizer, bad_rows=BadPromptRows(max_bad_rows=1), context=target_context(model, 9)
+    )
+    assert len(loaded.prompts) == 1 and loaded.skipped == {"too_long": 1}
+    args = [
+        "eval", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
+        "--prompts", path, "--max-new-tokens", "9", "--device", "cpu", "--no-progress",
+    ]  # fmt: skip
+    assert main(args) == 1
+    assert re.search(
+        r"p\.jsonl:2: bad prompt row \(too_long\): \d+ prompt tokens \+ 9 new", capsys.readouterr().err
+    )

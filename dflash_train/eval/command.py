@@ -23,7 +23,7 @@ from dflash_train.eval.engines import resolve_decode_engine
 from dflash_train.eval.exact import exact_measure
 from dflash_train.eval.generate import greedy_continuations, pad_token_for
 from dflash_train.eval.options import EvalOptions
-from dflash_train.eval.prompts import BadPromptRows, PromptFile, load_prompt_file
+from dflash_train.eval.prompts import BadPromptRows, PromptFile, load_prompt_file, target_context
 from dflash_train.eval.report import ProgressBars, finish_report
 from dflash_train.eval.runner import default_eos_ids, evaluate
 from dflash_train.eval.speculative import Generation
@@ -51,6 +51,7 @@ def run_eval(options: EvalOptions) -> dict[str, Any]:
             thinking=options.thinking_flag,
             num_prompts=options.num_prompts,
             bad_rows=bad_rows,
+            context=target_context(target_model, options.max_new_tokens),
         )
         for path in options.prompts
     ]

@@ -82,8 +82,11 @@ def load_prompt_file(
     thinking: bool | None = None,
     num_prompts: int = 0,
     bad_rows: BadPromptRows | None = None,
+    context: tuple[int, int] | None = None,
 ) -> PromptFile:
-    """Token ids of the first ``num_prompts`` (0 = all) usable prompts of a JSONL file."""
+    """Token ids of the first ``num_prompts`` (0 = all) usable prompts of a JSONL file. ``context``:
+    (the target's positions, the new tokens each prompt decodes); a prompt that does not fit them
+    with its new tokens is a bad row (``too_long``): past its context a target's tau is not the one served."""
     bad_rows = bad_rows or BadPromptRows(0)
     if not Path(path).is_file():
         raise ValueError(f"prompts file {path} does not exist: give JSONL files to --prompts")
@@ -92,7 +95,9 @@ def load_prompt_file(
         where = f"{path}:{line_number}"
         if error is None:
             try:
-                result.prompts.append(encode_prompt(tokenizer, row, thinking, where=where))
+                ids = encode_prompt(tokenizer, row, thinking, where=where)
+                check_fits(ids, context, where)
+                result.prompts.append(ids)
             except PromptRowError as err:
                 error = (err.reason, err.detail)
         if error is not None:
@@ -102,6 +107,29 @@ def load_prompt_file(
     if not result.prompts:
         raise ValueError(f"{path} has no usable prompts")
     return result
+
+
+def check_fits(ids: list[int], context: tuple[int, int] | None, where: str) -> None:
+    """``ids`` and ``new_tokens`` within the target's ``positions`` (``context``), else ``too_long``."""
+    if context is None:
+        return
+    positions, new_tokens = context
+    if len(ids) + new_tokens > positions:
+        raise PromptRowError(
+            "too_long",
+            f"{len(ids)} prompt tokens + {new_tokens} new tokens exceed the target's {positions} positions "
+            "(max_position_embeddings); shorten the prompt or decode fewer new tokens",
+            where,
+        )
+
+
+def target_context(model, new_tokens: int) -> tuple[int, int] | None:
+    """(the target's ``max_position_embeddings``, ``new_tokens``) for ``load_prompt_file``; None when
+    the config names no limit."""
+    from dflash_train.models.presets import text_config
+
+    positions = getattr(text_config(model.config), "max_position_embeddings", None)
+    return (int(positions), new_tokens) if positions else None
 
 
 def load_prompts(

@@ -88,7 +88,7 @@ def build_heldout_eval(run) -> HeldoutEval | None:
     if not cfg.prompts:
         return None
     from dflash_train.eval.generate import greedy_continuations, pad_token_for
-    from dflash_train.eval.prompts import BadPromptRows, load_prompt_file
+    from dflash_train.eval.prompts import BadPromptRows, load_prompt_file, target_context
     from dflash_train.eval.runner import default_eos_ids
 
     check_prompt_files(run, [path for path in cfg.prompts if not Path(path).is_file()])
@@ -97,8 +97,13 @@ def build_heldout_eval(run) -> HeldoutEval | None:
     bad_rows = BadPromptRows(0)
     files = [
         load_prompt_file(
-            path, tokenizer, thinking=run.cfg.data.thinking, num_prompts=cfg.num_prompts, bad_rows=bad_rows
-        )
+            path,
+            tokenizer,
+            thinking=run.cfg.data.thinking,
+            num_prompts=cfg.num_prompts,
+            bad_rows=bad_rows,
+            context=target_context(target.model, cfg.max_new_tokens),
+        )  # fmt: skip
         for path in cfg.prompts
     ]
     every = [(f, p) for f, loaded in enumerate(files) for p in loaded.prompts]
