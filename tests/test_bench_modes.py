@@ -108,3 +108,27 @@ def test_checkpoint_mode_all_runs_each_save_mode_in_its_own_process(tmp_path, ca
     child = result["modes"]["dcp-async"]
     assert child["save_mode"] == "dcp-async" and len(child["saves"]) == 1 and "torch" not in child
     assert result["device"] == "cpu" and result["torch"]
+
+
+def test_checkpoint_mode_all_records_a_child_that_printed_no_result_and_keeps_the_others(
+    tmp_path, capsys, monkeypatch
+):
+    import subprocess
+
+    import dflash_train.bench.checkpoint as checkpoint
+
+    def child(command, **kwargs):
+        mode = command[command.index("--save-mode") + 1]
+        if mode == "dcp-sync":  # exits 0 but prints nothing on stdout
+            return subprocess.CompletedProcess(command, 0, stdout="", stderr="warning\nchild went quiet")
+        result = {"save_mode": mode, "drafter_params": 1, "saves": []}
+        return subprocess.CompletedProcess(command, 0, stdout=f"noise\n{json.dumps(result)}\n", stderr="")
+
+    monkeypatch.setattr(checkpoint, "SAVE_MODES", ("gather", "dcp-sync", "dcp-async"))
+    monkeypatch.setattr(checkpoint.subprocess, "run", child)
+    args = ["bench", "checkpoint", "--dir", str(tmp_path), "--saves", "1", "--device", "cpu"]
+    modes = run_json(args, capsys)["modes"]
+    assert modes["gather"]["save_mode"] == "gather" and modes["dcp-async"]["save_mode"] == "dcp-async"
+    assert modes["dcp-sync"] == {
+        "error": "exit code 0 but no JSON result on stdout (last line: ''): warning\nchild went quiet"
+    }
