@@ -65,7 +65,7 @@ def generation_figures(result: dict | None, log: str) -> dict:
             {
                 k: v
                 for k, v in a.items()
-                if k.endswith("_ms") or k in ("slots", "kv", "bucket_mb", "live_mb", "status")
+                if k.endswith(("_ms", "_error")) or k in ("slots", "kv", "bucket_mb", "live_mb", "status")
             }
             for a in result["attention"]
         ],
@@ -79,6 +79,40 @@ def generation_figures(result: dict | None, log: str) -> dict:
         ],
         "device": result["device"],
     }
+
+
+def checkpoint_errors(result: dict | None) -> list[str]:
+    """Each save mode whose child recorded an error (a mode not run, the pinned one without CUDA, is
+    recorded in the figures as not run, not counted here)."""
+    if result is None:
+        return []
+    return [
+        f"{mode}: {outcome['error']}"
+        for mode, outcome in result.get("modes", {}).items()
+        if "error" in outcome
+    ]
+
+
+def generation_errors(result: dict | None) -> list[str]:
+    """Each top-p shape, attention shape, engine run, agreement or profile whose record holds an
+    error (a status other than ``ok``), and each draw or kernel that failed inside an ``ok`` shape."""
+    if result is None:
+        return []
+    labels = {
+        "sampler": lambda r: f"sampler {r.get('rows')}x{r.get('vocab')}",
+        "attention": lambda r: f"attention {r.get('slots')}x{r.get('kv')}",
+        "runs": lambda r: f"{r.get('engine')} x{r.get('batch_size')}",
+        "agreement": lambda r: f"agreement {r.get('engine')} vs {r.get('reference')} x{r.get('batch_size')}",
+        "profiles": lambda r: f"profile x{r.get('batch_size')}",
+    }
+    errors = []
+    for part, label in labels.items():
+        for record in result.get(part, []):
+            if record.get("status", "ok") != "ok":
+                errors.append(f"{label(record)}: {record['status']}")
+            failed = [key for key in record if key.endswith("_error")]
+            errors += [f"{label(record)} {key.removesuffix('_error')}: {record[key]}" for key in failed]
+    return errors
 
 
 def pytest_figures(result: dict | None, log: str) -> dict:
@@ -130,12 +164,28 @@ def lengths_line(figures: dict) -> str:
 
 
 def generation_line(figures: dict) -> str:
-    runs = [f"{engine} {values['rows_per_s']} rows/s" for engine, values in figures["runs"].items()]
+    runs = [
+        f"{engine} {values['rows_per_s']} rows/s"
+        if values["status"] == "ok"
+        else f"{engine} {values['status'][:80]}"
+        for engine, values in figures["runs"].items()
+    ]
     attention = [
-        f"{a['slots']}x{a['kv']} grouped {a.get('grouped_compiled_ms', '-')} / flex {a.get('flex_ms', '-')} ms"
+        f"{a['slots']}x{a['kv']} grouped {kernel_time(a, 'grouped_compiled')} / flex {kernel_time(a, 'flex')}"
+        if a.get("status") == "ok"
+        else f"{a['slots']}x{a['kv']} {str(a.get('status'))[:80]}"
         for a in figures["attention"]
     ]
     return "; ".join(runs + attention)
+
+
+def kernel_time(record: dict, kernel: str) -> str:
+    """One kernel's time in an attention record, or its error."""
+    if f"{kernel}_ms" in record:
+        return f"{record[f'{kernel}_ms']} ms"
+    if f"{kernel}_error" in record:
+        return f"failed ({record[f'{kernel}_error'][:60]})"
+    return "-"
 
 
 def pytest_line(figures: dict) -> str:

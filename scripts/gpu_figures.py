@@ -27,8 +27,10 @@ margin); a step that no longer fits is recorded as not run. Under ``--out`` (def
 ./gpu-logs): ``gpu_figures.json`` (each step's command, status, exit code, wall time, the bench's
 JSON and its figures), rewritten before and after every step so a call cut short still returns the
 finished steps (and ``running`` for the cut one), ``STEP.log`` per step, and ``table.txt``, the
-table printed last. Exit code 0 when every step ran and passed, else 1. The header names the commit
-and the source digest (``source_digest``; ``--print-source-digest`` prints a local tree's).
+table printed last. A step whose bench exited 0 but recorded errors in its JSON (an engine, a kernel,
+a save mode) is ``partial``, its errors listed under ``errors``. Exit code 0 when every step ran and
+passed, else 1. The header names the commit and the source digest (``source_digest``;
+``--print-source-digest`` prints a local tree's).
 
 Dry run on a CPU (the wiring end to end in about a minute, numbers meaningless): ``--dry-run`` runs
 every step at the tiny presets on the CPU (``train-fp8`` without ``--target-fp8``: FP8 needs CUDA
@@ -54,8 +56,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_figure_readers import (  # noqa: E402
+    checkpoint_errors,
     checkpoint_figures,
     checkpoint_line,
+    generation_errors,
     generation_figures,
     generation_line,
     lengths_figures,
@@ -79,13 +83,15 @@ SOURCE_FOLDERS = ("dflash_train", "scripts")
 @dataclass(frozen=True)
 class Step:
     """One figure: its command (real or dry run, given the step's limit), its default limit, how its
-    figures are read (from the bench's JSON result, or the log) and written as one table line."""
+    figures are read (from the bench's JSON result, or the log) and written as one table line, and
+    the errors its bench recorded inside its JSON result (failed engines, kernels, save modes)."""
 
     command: Callable[[argparse.Namespace, float], list[str]]
     timeout_s: float
     figures: Callable[[dict | None, str], dict]
     line: Callable[[dict], str]
     note_dry_run: str = ""
+    errors: Callable[[dict | None], list[str]] = lambda result: []
 
 
 def bench(mode: str, *args: str) -> Callable[[argparse.Namespace, float], list[str]]:
@@ -142,10 +148,14 @@ STEPS: dict[str, Step] = {
         bench("train", "--target-fp8"), 270, train_figures, train_line,
         note_dry_run="--target-fp8 dropped (FP8 needs CUDA sm89+)",
     ),
-    "checkpoint": Step(bench("checkpoint"), 540, checkpoint_figures, checkpoint_line),
+    "checkpoint": Step(
+        bench("checkpoint"), 540, checkpoint_figures, checkpoint_line, errors=checkpoint_errors
+    ),
     "lengths-short": Step(bench("lengths", "short-chat"), 540, lengths_figures, lengths_line),
     "lengths-mixed": Step(bench("lengths", "mixed-chat"), 540, lengths_figures, lengths_line),
-    "generation": Step(bench("generation"), 540, generation_figures, generation_line),
+    "generation": Step(
+        bench("generation"), 540, generation_figures, generation_line, errors=generation_errors
+    ),
     "gpu-tests": Step(gpu_tests, 540, pytest_figures, pytest_line),
 }  # fmt: skip
 
@@ -214,6 +224,10 @@ def run_step(name: str, args: argparse.Namespace, limit_s: float) -> dict:
         record["figures"] = step.figures(result, text)
     except (KeyError, TypeError, ValueError) as err:
         record["figures"], record["figures_error"] = {}, f"{type(err).__name__}: {err}"
+    errors = step.errors(result)
+    if errors:  # figures the bench did not measure: an exit code of 0 does not make the step ok
+        record["errors"] = errors
+        record["status"] = "partial" if record["status"] == "ok" else record["status"]
     if args.dry_run and step.note_dry_run:
         record["dry_run_note"] = step.note_dry_run
     if record["status"] != "ok":

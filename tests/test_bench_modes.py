@@ -34,6 +34,42 @@ def test_eval_mode_times_each_phase_and_decode_mode_agrees_on_tau(capsys):
     )
 
 
+def test_eval_mode_reports_each_modes_own_peak_memory(monkeypatch):
+    """The exact phases' peak and decode mode's peak are each measured from a reset of their own:
+    decode mode's allocations are not charged to ``peak_gib``, nor the warm-up's to either."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import dflash_train.bench.eval_speed as eval_speed
+    import dflash_train.models.target_kernels as target_kernels
+
+    peak = {"bytes": 0}  # a fake CUDA allocator's high-water mark
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: peak.update(bytes=0))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: peak["bytes"])
+
+    def allocate(gib: int) -> None:
+        peak["bytes"] = max(peak["bytes"], gib * 2**30)
+
+    def exact_phases(options, work, prompts, progress):
+        allocate(5 if progress is None else 2)  # the warm-up peaks highest
+        return {"timings": {"total": 1.0}, "tau": {}, "tokens": 10}
+
+    def decode_mode(options, work):
+        allocate(3)
+        return {"seconds": 4.0}
+
+    work = SimpleNamespace(device=torch.device("cuda"), prompts=[[1, 2]], model=None, header=lambda o: {})
+    monkeypatch.setattr(eval_speed, "load_workload", lambda options: work)
+    monkeypatch.setattr(eval_speed, "exact_phases", exact_phases)
+    monkeypatch.setattr(eval_speed, "decode_mode", decode_mode)
+    monkeypatch.setattr(target_kernels, "bound_kernels", lambda model: {})
+    options = eval_speed.EvalBenchOptions(preset="tiny-qwen3", decode=True, progress=False)
+    result = eval_speed.run_eval_bench(options)
+    assert result["peak_gib"] == 2 and result["decode"]["peak_gib"] == 3
+    assert result["decode_vs_exact"] == 4.0
+
+
 def test_eval_mode_refuses_a_tree_without_a_budget():
     from dflash_train.bench.eval_speed import EvalBenchOptions
 
@@ -108,3 +144,27 @@ def test_checkpoint_mode_all_runs_each_save_mode_in_its_own_process(tmp_path, ca
     child = result["modes"]["dcp-async"]
     assert child["save_mode"] == "dcp-async" and len(child["saves"]) == 1 and "torch" not in child
     assert result["device"] == "cpu" and result["torch"]
+
+
+def test_checkpoint_mode_all_records_a_child_that_printed_no_result_and_keeps_the_others(
+    tmp_path, capsys, monkeypatch
+):
+    import subprocess
+
+    import dflash_train.bench.checkpoint as checkpoint
+
+    def child(command, **kwargs):
+        mode = command[command.index("--save-mode") + 1]
+        if mode == "dcp-sync":  # exits 0 but prints nothing on stdout
+            return subprocess.CompletedProcess(command, 0, stdout="", stderr="warning\nchild went quiet")
+        result = {"save_mode": mode, "drafter_params": 1, "saves": []}
+        return subprocess.CompletedProcess(command, 0, stdout=f"noise\n{json.dumps(result)}\n", stderr="")
+
+    monkeypatch.setattr(checkpoint, "SAVE_MODES", ("gather", "dcp-sync", "dcp-async"))
+    monkeypatch.setattr(checkpoint.subprocess, "run", child)
+    args = ["bench", "checkpoint", "--dir", str(tmp_path), "--saves", "1", "--device", "cpu"]
+    modes = run_json(args, capsys)["modes"]
+    assert modes["gather"]["save_mode"] == "gather" and modes["dcp-async"]["save_mode"] == "dcp-async"
+    assert modes["dcp-sync"] == {
+        "error": "exit code 0 but no JSON result on stdout (last line: ''): warning\nchild went quiet"
+    }

@@ -220,3 +220,64 @@ def test_the_source_digest_names_the_code_by_content_not_by_commit(figures, tmp_
         [sys.executable, str(SCRIPT), "--print-source-digest"], capture_output=True, text=True, check=True
     )
     assert printed.stdout.strip() == figures.source_digest()
+
+
+def test_a_step_whose_bench_recorded_errors_is_partial_and_its_line_shows_them(
+    figures, tmp_path, monkeypatch
+):
+    """A bench that exits 0 with failed engines, kernels or save modes in its JSON is not ``ok``."""
+    import dataclasses
+
+    generation = {
+        "device": "NVIDIA H100",
+        "runs": [
+            {"engine": "slots-grouped-compiled", "batch_size": 1024, "status": "ok", "rows_per_s": 12.5,
+             "generated_tokens_per_s": 3200.0, "warmup_decode_compile_s": 1.0},
+            {"engine": "slots-flex-compiled", "batch_size": 1024, "status": "error: RuntimeError: capture failed"},
+        ],
+        "attention": [
+            {"slots": 1024, "kv": 256, "status": "ok", "grouped_compiled_ms": 0.05, "flex_error": "RuntimeError: no triton"},
+            {"slots": 256, "kv": 2048, "status": "error: OutOfMemoryError: CUDA out of memory"},
+        ],
+        "sampler": [{"rows": 64, "vocab": 248320, "status": "ok", "sort_ms": 0.3, "exact_compiled_error": "boom"}],
+        "agreement": [
+            {"batch_size": 1024, "reference": "slots-grouped-compiled", "engine": "slots-x", "status": "error: ValueError: v"}
+        ],
+    }  # fmt: skip
+    save = {"stall_s": 1.0, "wall_s": 2.0, "peak_rss_gib": 3.0, "checkpoint_bytes": 2**30}
+    checkpoint = {
+        "modes": {
+            "gather": {"saves": [save]},
+            "dcp-sync": {"error": "exit code 0 but no JSON result on stdout (last line: ''): quiet"},
+            "dcp-async-pinned": {"not_run": "needs CUDA (pinned host memory)"},
+        }
+    }
+    for name, result in (("generation", generation), ("checkpoint", checkpoint)):
+        code = f"import json; print(json.dumps({result!r}))"
+        step = dataclasses.replace(
+            figures.STEPS[name], command=lambda options, limit_s, code=code: [sys.executable, "-c", code]
+        )
+        monkeypatch.setitem(figures.STEPS, name, step)
+    out = tmp_path / "out"
+    assert figures.main(["--steps", "generation,checkpoint", "--out", str(out), "--work", str(tmp_path)]) == 1
+    steps = read_results(out)["steps"]
+    assert steps["generation"]["rc"] == 0 and steps["generation"]["status"] == "partial"
+    assert steps["generation"]["errors"] == [
+        "sampler 64x248320 exact_compiled: boom",
+        "attention 1024x256 flex: RuntimeError: no triton",
+        "attention 256x2048: error: OutOfMemoryError: CUDA out of memory",
+        "slots-flex-compiled x1024: error: RuntimeError: capture failed",
+        "agreement slots-x vs slots-grouped-compiled x1024: error: ValueError: v",
+    ]
+    assert steps["checkpoint"]["status"] == "partial"  # a mode not run (no CUDA) is recorded, not an error
+    assert steps["checkpoint"]["errors"] == [
+        "dcp-sync: exit code 0 but no JSON result on stdout (last line: ''): quiet"
+    ]
+    table = (out / "table.txt").read_text()
+    generation_line = next(line for line in table.splitlines() if line.startswith("generation"))
+    assert "None" not in generation_line and generation_line.split()[1] == "partial"
+    assert "slots-grouped-compiled 12.5 rows/s" in generation_line
+    assert "slots-flex-compiled error: RuntimeError: capture failed" in generation_line
+    assert "flex failed (RuntimeError: no triton)" in generation_line
+    assert "256x2048 error: OutOfMemoryError" in generation_line
+    assert "checkpoint     partial" in table and "dcp-sync exit code 0 but no JSON" in table

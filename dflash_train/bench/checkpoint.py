@@ -122,7 +122,16 @@ def run_child(options: CheckpointBenchOptions) -> dict[str, Any]:
     if done.returncode != 0:
         print(done.stderr[-3000:], file=sys.stderr, end="")
         return {"error": f"exit code {done.returncode}: {done.stderr.strip()[-500:]}"}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    last = (done.stdout.strip().splitlines() or [""])[-1]
+    try:
+        result = json.loads(last)
+    except json.JSONDecodeError:
+        result = None
+    if not isinstance(result, dict):
+        print(done.stderr[-3000:], file=sys.stderr, end="")
+        tail = done.stderr.strip()[-500:]
+        return {"error": f"exit code 0 but no JSON result on stdout (last line: {last[-200:]!r}): {tail}"}
+    return result
 
 
 def run_save_mode(options: CheckpointBenchOptions, device: torch.device) -> dict[str, Any]:

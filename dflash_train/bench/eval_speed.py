@@ -5,11 +5,13 @@ Exact mode: one batched greedy generation (``generate``), then one feature pass,
 pass and a host simulation of the rounds (``features``, ``drafter``, ``simulation``; the same calls
 ``dflash-train eval`` makes). A short untimed warm-up comes first (kernel selection, allocator
 growth). Reported: the phase seconds, prompts per minute, generated tokens/s, tau per method (a
-random drafter's means nothing), peak GPU memory and the bound GatedDeltaNet kernels.
+random drafter's means nothing), the exact phases' peak GPU memory and the bound GatedDeltaNet
+kernels.
 
 ``--decode`` also decodes every prompt for real (``eval --tau-mode decode``: the plain reference,
 then each method round by round, batch 1) and reports its seconds, the plain reference's alone
-(decode mode pays it whatever the drafter's tau) and how many times longer decode mode took.
+(decode mode pays it whatever the drafter's tau), its own peak GPU memory (the peak is reset
+before it) and how many times longer decode mode took.
 """
 
 from __future__ import annotations
@@ -91,22 +93,33 @@ def run_eval_bench(options: EvalBenchOptions) -> dict[str, Any]:
         with progress.step("warm-up"):
             warm = dataclasses.replace(options, max_new_tokens=8)
             exact_phases(warm, work, work.prompts[:2], progress=None)
-        if work.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(work.device)
+        reset_peak(work.device)
         result = exact_phases(options, work, work.prompts, progress)
+        result["peak_gib"] = peak_gib(work.device)  # the exact phases' own, before decode mode's
         if options.decode:
             with progress.step("decode mode"):
-                result["decode"] = decode_mode(options, work)
+                reset_peak(work.device)
+                result["decode"] = decode_mode(options, work) | {"peak_gib": peak_gib(work.device)}
     total = result["timings"]["total"]
     result.update(
         prompts_per_min=len(work.prompts) / (total / 60) if total else None,
         new_tokens_per_s=result["tokens"] / total if total else None,
-        peak_gib=torch.cuda.max_memory_allocated(work.device) / 2**30 if work.device.type == "cuda" else None,
         kernels=bound_kernels(work.model),
     )
     if options.decode:
         result["decode_vs_exact"] = result["decode"]["seconds"] / total
     return {**work.header(options), **result}
+
+
+def reset_peak(device: torch.device) -> None:
+    """Start a new peak of GPU memory (CUDA only)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device: torch.device) -> float | None:
+    """GiB allocated at most since the last ``reset_peak``; None off CUDA."""
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 
 def exact_phases(
