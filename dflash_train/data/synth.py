@@ -198,9 +198,7 @@ class Synthesizer:
         # of every task's held-out prompts, which no training row may repeat.
         self.filters = [PromptFilter(texts, opts.min_prompt_chars, opts.near_dup_threshold) for _ in tasks]
         self.heldout_index = PromptFilter([], opts.min_prompt_chars, opts.near_dup_threshold)
-        # Every task's training prompts written before this run's held-out phase (a rerun that
-        # completes held-out files a budget cut short), which no new held-out prompt may repeat.
-        self.training_index: PromptFilter | None = None
+        self.training_index: PromptFilter | None = None  # see index_training_rows
         self.systems = [[{"role": "system", "content": t.system}] if t.system else [] for t in tasks]
         self.first_prefixes = [magpie_prefix(self.tokenizer, system, self.kwargs) for system in self.systems]
         self.sampling = Sampling(temperature=opts.temperature, top_p=opts.top_p, seed=opts.seed)
@@ -282,8 +280,8 @@ class Synthesizer:
                 self.heldout_index.remember(text)
 
     def index_training_rows(self, rows: list[tuple[str, str]]) -> None:
-        """Index training rows already written for the held-out phase (a task's own filter holds
-        its own; this holds every task's): kept only while held-out rows are still owed."""
+        """Every task's training rows written before a held-out phase that a budget cut short (a
+        rerun completes it): no new held-out prompt may repeat them. Dropped after that phase."""
         self.training_index = PromptFilter([], self.opts.min_prompt_chars, self.opts.near_dup_threshold)
         for _, text in rows:
             self.training_index.remember(text)
