@@ -295,6 +295,16 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(
             "train.placement=split needs train.target_ranks >= 1 (the number of ranks that run only the target)."
         )
+    if t.placement != "split" and t.target_ranks:
+        raise ValueError(
+            f"train.target_ranks={t.target_ranks} with train.placement={t.placement}: every rank runs the "
+            "target there; set train.placement=split, or remove train.target_ranks."
+        )
+    if dt.max_bad_rows < 0:
+        raise ValueError(f"data.max_bad_rows={dt.max_bad_rows}: give the bad rows to skip, >= 0 (0: none).")
+    resume = cfg.checkpoint.resume
+    if resume not in ("auto", "never") and not Path(resume).is_dir():
+        raise missing_resume_path(resume)
     if cfg.checkpoint.keep_last < 2:
         raise ValueError(
             f"checkpoint.keep_last={cfg.checkpoint.keep_last}: keep at least 2 so a crash during a save leaves a good one."
@@ -318,6 +328,14 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(
             "train.gamma must be >= 0 (0 = default), train.loss_chunk_tokens and train.sdpa_anchor_chunk >= 1."
         )
+
+
+def missing_resume_path(path: str | Path) -> ValueError:
+    """The error of a ``checkpoint.resume`` path that is no directory (at load, and when resuming)."""
+    return ValueError(
+        f"checkpoint.resume={path}: no such directory; give auto, never, or a checkpoint "
+        "(<output_dir>/checkpoints/step-N)."
+    )
 
 
 def validate_packing(cfg: RunConfig) -> None:

@@ -140,6 +140,25 @@ def test_optimizer_settings_and_the_drafter_preset_are_checked_at_load(override,
 
 
 @pytest.mark.parametrize(
+    ("override", "match"),
+    [
+        ("data.max_bad_rows=-1", r"data.max_bad_rows=-1: .*>= 0"),
+        ("train.target_ranks=2", r"train.target_ranks=2 .*train.placement=colocated"),
+        (
+            "checkpoint.resume=/no/such/checkpoint",
+            r"checkpoint.resume=/no/such/checkpoint: no such directory",
+        ),
+    ],
+)
+def test_settings_found_wrong_only_later_are_refused_at_load(override, match):
+    """A negative bad-row allowance ("unlimited") failed at the first bad row; target ranks beside
+    colocated placement were silently unused; a resume path that does not exist was found only after
+    the target was built and the data tokenized."""
+    with pytest.raises(ValueError, match=match):
+        load_config("tiny-cpu", [override])
+
+
+@pytest.mark.parametrize(
     "key", ["num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "head_dim"]
 )
 def test_negative_drafter_sizes_are_refused(key):

@@ -43,6 +43,7 @@ import torch.distributed as dist
 import yaml
 from safetensors.torch import load_file
 
+from dflash_train.config import missing_resume_path
 from dflash_train.models.export import DCP_DIR_NAME, checkpoint_tensor_shapes, quiet_single_process_dcp
 
 COMMIT_MARKER = "COMMITTED"
@@ -350,9 +351,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     single-file layout, the full drafter state); the DCP shards are read by ``load_sharded_state``."""
     path = Path(path)
     if not path.is_dir():
-        raise ValueError(
-            f"checkpoint.resume={path}: no such directory; give auto, never, or a checkpoint (<output_dir>/checkpoints/step-N)."
-        )
+        raise missing_resume_path(path)
     if latest_checkpoint(path) is not None:
         raise ValueError(
             f"checkpoint.resume={path} is a run's output_dir, not one of its checkpoints: give {latest_checkpoint(path)} "
