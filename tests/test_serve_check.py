@@ -425,6 +425,8 @@ def test_the_lookup_sizes_reach_the_engine_and_the_eval_and_an_old_build_is_refu
         run_serve_check(fake_options(fake_llama, tiny_export, tmp_path, ngram_types=["ngram-simple"]))
     with pytest.raises(ValueError, match="ngram_max_draft=-1"):
         fake_options(fake_llama, tiny_export, tmp_path, ngram_max_draft=-1)
+    with pytest.raises(ValueError, match=r"--device='gpu' is not a device name"):  # before any engine run
+        fake_options(fake_llama, tiny_export, tmp_path, device="gpu")
 
 
 def test_a_gguf_target_needs_its_hf_directory(tmp_path):

@@ -116,6 +116,7 @@ class ServeCheckOptions:
                 raise ValueError(f"{name}={getattr(self, name)}: use >= 1")
         if self.ngram_max_draft < 0:
             raise ValueError(f"ngram_max_draft={self.ngram_max_draft}: use >= 0 (0 = the drafter's B-1)")
+        parse_device(self.device, "--device")  # before the engine runs, not after them in the exact eval
 
 
 class ServeCheckRecord:
