@@ -309,3 +309,28 @@ def test_init_from_a_matching_export_starts_from_its_weights(task, tmp_path, exp
     weights = load_file(str(exported / "model.safetensors"))
     assert set(seen) == set(weights)
     assert all(torch.equal(seen[name], weights[name].float()) for name in weights)
+
+
+def test_an_eval_record_of_other_weights_is_set_aside_when_an_export_replaces_them(tmp_path, capsys):
+    """``eval --output-dir EXPORT`` measured the weights there; exporting other weights into the same
+    folder (a newer checkpoint) kept that eval.json, and SERVING.md stated its numbers for the new
+    drafter. The same weights again keep it; other weights set it aside as eval.json.old."""
+    config = presets.resolve_drafter_config(
+        DrafterConfig(preset="tiny", block_size=4),
+        presets.tiny_hybrid_target_config(),
+        target_layer_ids=[0, 2],
+        mask_token_id=300,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(0)
+    drafter, out = DFlashDrafter(config), tmp_path / "export"
+    save_drafter(drafter, config, out)
+    record = {"tau": 2.5, "ngram_tau": 2.0, "ngram_dflash_tau": 3.1, "num_prompts": 300}
+    (out / "eval.json").write_text(json.dumps({**record, "ngram_min_match": 3, "ngram_max_draft": 3}))
+    assert "tau 2.500" in (save_drafter(drafter, config, out) / "SERVING.md").read_text()  # the same weights
+    with torch.no_grad():
+        next(drafter.parameters()).add_(1.0)
+    notes = (save_drafter(drafter, config, out) / "SERVING.md").read_text()
+    assert "tau 2.500" not in notes and "Measure it on yours" in notes
+    assert not (out / "eval.json").exists() and json.loads((out / "eval.json.old").read_text())["tau"] == 2.5
+    assert "eval.json.old" in capsys.readouterr().err

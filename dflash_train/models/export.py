@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from safetensors.torch import save_file
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.drafter_config import DFlashDraftConfig
 from dflash_train.models.dtypes import DTYPES
-from dflash_train.models.serving import SERVING_NOTES_NAME, serving_notes
+from dflash_train.models.serving import EVAL_RECORD_NAME, SERVING_NOTES_NAME, serving_notes
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -84,6 +85,7 @@ def save_drafter(
     tensors = serving_state(drafter, torch_dtype)
     serving = config.to_serving_dict()
     serving["torch_dtype"] = serving["dtype"] = dtype
+    set_aside_other_weights_eval(out, tensors)
     notes = serving_notes(config, out, target)
     _write_atomically(
         out,
@@ -111,6 +113,31 @@ def serving_state(drafter: DFlashDrafter, dtype: torch.dtype) -> dict[str, torch
 def _read_tensors(path: Path, device: str) -> dict[str, torch.Tensor]:
     with safe_open(str(path), framework="pt", device=device) as handle:
         return {name: handle.get_tensor(name) for name in handle.keys()}
+
+
+def set_aside_other_weights_eval(out: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """An ``eval.json`` beside weights other than ``tensors`` (the eval of an earlier export into
+    ``out``) is renamed ``eval.json.old``: SERVING.md must not state its numbers for these weights.
+    Beside the same weights (a re-export) or without weights (the in-training best export writes its
+    record first) it stays."""
+    record, weights = out / EVAL_RECORD_NAME, out / WEIGHTS_NAME
+    if not (record.is_file() and weights.is_file()):
+        return
+    with safe_open(str(weights), framework="pt") as old:
+        same = set(old.keys()) == set(tensors) and all(
+            same_tensor(old.get_tensor(name), tensor) for name, tensor in tensors.items()
+        )
+    if not same:
+        os.replace(record, out / f"{EVAL_RECORD_NAME}.old")
+        print(
+            f"export: {record} measured the weights this export replaces: set aside as {EVAL_RECORD_NAME}.old "
+            "(run `dflash-train eval --output-dir` on the new export for SERVING.md's numbers)",
+            file=sys.stderr,
+        )
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a, b)
 
 
 def build_drafter_from_tensors(
