@@ -334,3 +334,31 @@ def test_an_eval_record_of_other_weights_is_set_aside_when_an_export_replaces_th
     assert "tau 2.500" not in notes and "Measure it on yours" in notes
     assert not (out / "eval.json").exists() and json.loads((out / "eval.json.old").read_text())["tau"] == 2.5
     assert "eval.json.old" in capsys.readouterr().err
+
+
+def test_serving_commands_quote_paths_a_shell_would_split(tmp_path):
+    """An export folder with a space (and a target path with a quote) was pasted into SERVING.md's
+    commands unquoted: each command split the path into several arguments."""
+    import shlex
+
+    from dflash_train.models.serving import serving_flags
+
+    config = presets.resolve_drafter_config(
+        DrafterConfig(preset="tiny", block_size=4),
+        presets.tiny_hybrid_target_config(),
+        target_layer_ids=[0, 2],
+        mask_token_id=300,
+        torch_dtype="float32",
+    )
+    export, target = tmp_path / "my export", "/models/Bob's target"
+    flags = serving_flags(config, export, target)
+    resolved = str(export.resolve())
+    sglang = shlex.split(flags["sglang"])
+    assert sglang[sglang.index("--model-path") + 1] == target
+    assert sglang[sglang.index("--speculative-draft-model-path") + 1] == resolved
+    vllm = shlex.split(flags["vllm"])
+    assert vllm[vllm.index("serve") + 1] == target
+    assert json.loads(vllm[vllm.index("--speculative-config") + 1])["model"] == resolved
+    convert = shlex.split(flags["llama_cpp"].split(" && ")[0])
+    assert convert[2] == resolved and convert[convert.index("--target-model-dir") + 1] == target
+    assert "'<target>'" not in serving_flags(config, export)["vllm"]  # the placeholder stays as it reads

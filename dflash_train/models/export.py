@@ -30,7 +30,12 @@ from safetensors.torch import save_file
 from dflash_train.models.drafter import DFlashDrafter
 from dflash_train.models.drafter_config import DFlashDraftConfig
 from dflash_train.models.dtypes import DTYPES
-from dflash_train.models.serving import EVAL_RECORD_NAME, SERVING_NOTES_NAME, serving_notes
+from dflash_train.models.serving import (
+    EVAL_RECORD_NAME,
+    SERVING_NOTES_NAME,
+    TARGET_PLACEHOLDER,
+    serving_notes,
+)
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -73,7 +78,7 @@ def save_drafter(
     out_dir: str | Path,
     dtype: str = "bfloat16",
     *,
-    target: str = "<target>",
+    target: str = TARGET_PLACEHOLDER,
     announce: bool = False,
 ) -> Path:
     """Write ``config.json``, ``model.safetensors`` (drafter tensors in ``dtype``) and ``SERVING.md``
@@ -307,6 +312,6 @@ def recipe_target(checkpoint: Path) -> str:
 
     recipe = checkpoint / "config.yaml"
     if not recipe.is_file():
-        return "<target>"
+        return TARGET_PLACEHOLDER
     raw = yaml.safe_load(recipe.read_text()) or {}
-    return str((raw.get("target") or {}).get("path") or "<target>")
+    return str((raw.get("target") or {}).get("path") or TARGET_PLACEHOLDER)

@@ -27,6 +27,7 @@ size with the highest measured tau, and says so (``measured_lookup``).
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 from dflash_train.models.drafter_config import DFlashDraftConfig
@@ -40,6 +41,7 @@ LOOKUP_KEY_SIZE = 3
 # copy whole repetition loops (SmolLM2-135M: ngram+dflash 1.45x -> 1.71x n-gram at 15 -> 48 tokens,
 # docs/quality.md); the eval's ``--ngram-max-draft`` default too.
 LOOKUP_MAX_DRAFT = 48
+TARGET_PLACEHOLDER = "<target>"  # SERVING.md's target where the recipe names none
 EVAL_RECORD_NAME = "eval.json"  # what ``dflash-train eval --output-dir EXPORT_DIR`` writes there
 
 
@@ -68,19 +70,20 @@ def llama_cpp_combined_args(
 def serving_flags(
     config: DFlashDraftConfig,
     export_dir: str | Path,
-    target: str = "<target>",
+    target: str = TARGET_PLACEHOLDER,
     lookup: tuple[int, int] | None = None,
 ) -> dict[str, str]:
     """The launch commands of SGLang, vLLM and llama.cpp for this export: ``{"sglang": ..., "vllm":
     ..., "llama_cpp": ..., "llama_cpp_combined": ...}`` (llama.cpp: its converter, then llama-server
     with the drafter alone, or with ngram-simple first; docs/training.md). ``lookup`` is
     ngram-simple's (key size, draft limit); default (``LOOKUP_KEY_SIZE``, ``LOOKUP_MAX_DRAFT``)."""
-    draft = str(Path(export_dir).resolve())
+    draft_path = str(Path(export_dir).resolve())
+    draft, target = shell_word(draft_path), shell_word(target)
     variant = get_variant(config.variant)
     drafts = config.num_draft_tokens
     key_size, max_draft = lookup or (LOOKUP_KEY_SIZE, LOOKUP_MAX_DRAFT)
     vllm_config = json.dumps(
-        {"method": variant.vllm_method, "model": draft, "num_speculative_tokens": drafts}
+        {"method": variant.vllm_method, "model": draft_path, "num_speculative_tokens": drafts}
     )
     vllm_env = "VLLM_USE_V2_MODEL_RUNNER=1 " if needs_vllm_v2_runner(config) else ""
     convert = (
@@ -95,10 +98,15 @@ def serving_flags(
             f"--speculative-algorithm {variant.sglang_algorithm} --speculative-draft-model-path {draft} "
             f"--speculative-num-draft-tokens {config.num_verify_tokens}"
         ),
-        "vllm": f"{vllm_env}vllm serve {target} --speculative-config '{vllm_config}'",
+        "vllm": f"{vllm_env}vllm serve {target} --speculative-config {shlex.quote(vllm_config)}",
         "llama_cpp": f"{convert} && {server} {' '.join(alone)} --jinja",
         "llama_cpp_combined": f"{server} {' '.join(combined)} --jinja",
     }
+
+
+def shell_word(text: str) -> str:
+    """``text`` as one shell word (a path with spaces or quotes); the target placeholder as it reads."""
+    return text if text == TARGET_PLACEHOLDER else shlex.quote(text)
 
 
 def needs_vllm_v2_runner(config: DFlashDraftConfig) -> bool:
@@ -198,11 +206,12 @@ def lookup_advice(measured: dict | None, export_dir: str | Path, target: str) ->
     """Whether to serve llama.cpp's lookup-first combination: the eval's numbers and the pick, or how
     to get them."""
     if measured is None:
+        target, export = shell_word(target), shell_word(str(export_dir))
         return [
             "Whether it beats the drafter alone depends on the prompts (lookup wins in repetition, the "
             "drafter elsewhere). Measure it on yours: `dflash-train eval --target "
-            f"{target} --drafter {export_dir} --prompts PROMPTS.jsonl --baseline ngram --tau-mode exact "
-            f"--output-dir {export_dir}` reports `ngram_dflash_tau` (this line, simulated by llama.cpp's "
+            f"{target} --drafter {export} --prompts PROMPTS.jsonl --baseline ngram --tau-mode exact "
+            f"--output-dir {export}` reports `ngram_dflash_tau` (this line, simulated by llama.cpp's "
             "rule) beside `tau` (the drafter alone) and rewrites this file with the numbers; "
             "`dflash-train serve-check` runs both in llama.cpp (engine tau and tokens/s)."
         ]
@@ -254,7 +263,7 @@ def llama_cpp_causality_warnings(config: DFlashDraftConfig) -> list[str]:
     ]
 
 
-def serving_notes(config: DFlashDraftConfig, export_dir: str | Path, target: str = "<target>") -> str:
+def serving_notes(config: DFlashDraftConfig, export_dir: str | Path, target: str = TARGET_PLACEHOLDER) -> str:
     """The text of ``SERVING.md``: block length, the engines' launch commands, llama.cpp's
     lookup-first combination with the eval's numbers where ``export_dir/eval.json`` has them, and
     the applicable warnings."""
@@ -294,7 +303,9 @@ def serving_notes(config: DFlashDraftConfig, export_dir: str | Path, target: str
     return "\n".join(lines) + "\n"
 
 
-def write_serving_notes(config: DFlashDraftConfig, export_dir: str | Path, target: str = "<target>") -> str:
+def write_serving_notes(
+    config: DFlashDraftConfig, export_dir: str | Path, target: str = TARGET_PLACEHOLDER
+) -> str:
     """Write ``export_dir/SERVING.md`` and return its text."""
     text = serving_notes(config, export_dir, target)
     (Path(export_dir) / SERVING_NOTES_NAME).write_text(text)
