@@ -47,6 +47,13 @@ def test_the_job_s_exit_code_is_the_call_s_once_it_ends(tmp_path):
     assert first.returncode == 7 and "quick: finished, exit 7" in first.stdout
     assert call("quick 0", state, out, timeout=10).returncode == 7  # a later call: the same outcome
     assert (out / "quick.log").read_text() == "hello\n"
+    again = call("quick 0 bash -c 'echo hello; exit 7'", state, out, timeout=10)  # the same call again
+    assert again.returncode == 7 and "started" not in again.stdout
+    # Another command under a finished job's name once printed the old job's log and "finished, exit
+    # 0" as if it had run; it is refused, and the old job's outcome stays.
+    other = call("quick 30 bash -c 'echo new; exit 0'", state, out, timeout=10)
+    assert other.returncode == 2 and "already started with another command" in other.stdout
+    assert call("quick 0", state, out, timeout=10).returncode == 7
 
 
 FAKE_CONVERTER = """import pathlib, sys
