@@ -302,9 +302,6 @@ def validate(cfg: RunConfig) -> None:
         )
     if dt.max_bad_rows < 0:
         raise ValueError(f"data.max_bad_rows={dt.max_bad_rows}: give the bad rows to skip, >= 0 (0: none).")
-    resume = cfg.checkpoint.resume
-    if resume not in ("auto", "never") and not Path(resume).is_dir():
-        raise missing_resume_path(resume)
     if cfg.checkpoint.keep_last < 2:
         raise ValueError(
             f"checkpoint.keep_last={cfg.checkpoint.keep_last}: keep at least 2 so a crash during a save leaves a good one."
@@ -328,6 +325,9 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(
             "train.gamma must be >= 0 (0 = default), train.loss_chunk_tokens and train.sdpa_anchor_chunk >= 1."
         )
+    resume = cfg.checkpoint.resume  # last: a setting's own error first, then the file system's
+    if resume not in ("auto", "never") and not Path(resume).is_dir():
+        raise missing_resume_path(resume)
 
 
 def missing_resume_path(path: str | Path) -> ValueError:
