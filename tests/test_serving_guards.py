@@ -114,9 +114,10 @@ def test_is_causal_false_with_sliding_layers_warns_about_sglang():
 # ----------------------------------------------------------------------------- SERVING.md
 
 
-def tiny_drafter_config(**changes) -> DFlashDraftConfig:
+def tiny_drafter_config(variant: str = "dflash", **changes) -> DFlashDraftConfig:
+    """The tiny drafter of these tests (block 4, sliding + full layers, fp32), with ``changes`` set."""
     config = presets.resolve_drafter_config(
-        DrafterConfig(preset="tiny", block_size=4),
+        DrafterConfig(preset="tiny", block_size=4, variant=variant),
         presets.tiny_hybrid_target_config(),
         target_layer_ids=[0, 2],
         mask_token_id=300,
@@ -170,13 +171,7 @@ def test_serving_md_does_not_state_numbers_measured_with_blocks_cut_short(tmp_pa
     """An eval with ``--draft-p-min P > 0`` (DSpark's confidence stop) measured blocks cut short; the
     flags SERVING.md writes draft full blocks (``--spec-draft-p-min 0``), so its numbers and its pick
     are not of those flags: SERVING.md says how to measure instead."""
-    config = presets.resolve_drafter_config(
-        DrafterConfig(preset="tiny", block_size=4, variant="dspark"),
-        presets.tiny_hybrid_target_config(),
-        target_layer_ids=[0, 2],
-        mask_token_id=300,
-        torch_dtype="float32",
-    )
+    config = tiny_drafter_config("dspark")
     out = tmp_path / "export"
     out.mkdir()
     record = {"tau": 2.5, "ngram_tau": 2.0, "ngram_dflash_tau": 3.1, "num_prompts": 300, "draft_p_min": 0.4}
@@ -231,13 +226,7 @@ def test_all_full_layers_need_no_v2_runner_and_warnings_are_written(tmp_path):
 def test_a_drafter_llama_cpp_cannot_run_as_trained_is_named_in_serving_md(tmp_path, variant, layers):
     """llama.cpp has one in-block causality for every layer (from ``is_causal``): a drafter mixing
     sliding (causal) and full (bidirectional) layers cannot serve there as trained."""
-    config = presets.resolve_drafter_config(
-        DrafterConfig(preset="tiny", block_size=4, variant=variant),  # sliding + full layers
-        presets.tiny_hybrid_target_config(),
-        target_layer_ids=[0, 2],
-        mask_token_id=300,
-        torch_dtype="float32",
-    )
+    config = tiny_drafter_config(variant)
     notes = serving_notes(config, tmp_path)
     assert f"its {layers} layers would not run as trained" in notes
     # The tiny DFlash2 drafter (hidden 64) is too narrow for llama.cpp's selector lattice at top-k 16.
@@ -315,13 +304,7 @@ def test_an_eval_record_of_other_weights_is_set_aside_when_an_export_replaces_th
     """``eval --output-dir EXPORT`` measured the weights there; exporting other weights into the same
     folder (a newer checkpoint) kept that eval.json, and SERVING.md stated its numbers for the new
     drafter. The same weights again keep it; other weights set it aside as eval.json.old."""
-    config = presets.resolve_drafter_config(
-        DrafterConfig(preset="tiny", block_size=4),
-        presets.tiny_hybrid_target_config(),
-        target_layer_ids=[0, 2],
-        mask_token_id=300,
-        torch_dtype="float32",
-    )
+    config = tiny_drafter_config()
     torch.manual_seed(0)
     drafter, out = DFlashDrafter(config), tmp_path / "export"
     save_drafter(drafter, config, out)
@@ -343,13 +326,7 @@ def test_serving_commands_quote_paths_a_shell_would_split(tmp_path):
 
     from dflash_train.models.serving import serving_flags
 
-    config = presets.resolve_drafter_config(
-        DrafterConfig(preset="tiny", block_size=4),
-        presets.tiny_hybrid_target_config(),
-        target_layer_ids=[0, 2],
-        mask_token_id=300,
-        torch_dtype="float32",
-    )
+    config = tiny_drafter_config()
     export, target = tmp_path / "my export", "/models/Bob's target"
     flags = serving_flags(config, export, target)
     resolved = str(export.resolve())

@@ -142,16 +142,23 @@ def expand_paths(paths: list[str]) -> list[str]:
 def read_once(files: list[str]) -> list[str]:
     """``files`` with each local file once (a folder and a file in it, or one file named twice, would
     train on or regenerate its rows twice); a repeat is named on stderr."""
+    again = set(repeated_paths(files))
+    for i in sorted(again):
+        print(f"data: {files[i]} is given twice in the data paths: its rows are read once", file=sys.stderr)
+    return [f for i, f in enumerate(files) if i not in again]
+
+
+def repeated_paths(paths: list[str]) -> list[int]:
+    """The indices of ``paths`` that name what an earlier one names, however spelled (``a``, ``./a``,
+    ``sub/../a``; a hub name stands for itself)."""
     seen: set[str] = set()
-    kept = []
-    for f in files:
-        key = os.path.realpath(f) if os.path.exists(f) else f
+    again = []
+    for i, path in enumerate(paths):
+        key = os.path.realpath(path)
         if key in seen:
-            print(f"data: {f} is given twice in the data paths: its rows are read once", file=sys.stderr)
-            continue
+            again.append(i)
         seen.add(key)
-        kept.append(f)
-    return kept
+    return again
 
 
 def fingerprint(files: list[str]) -> list[list[Any]]:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 
+from dflash_train.data.readers import repeated_paths
 from dflash_train.eval.ngram_simple import LOOKUP_ALONE_METHOD, combined_methods
 from dflash_train.models.serving import LOOKUP_KEY_SIZE, LOOKUP_MAX_DRAFT
 
@@ -89,11 +89,11 @@ class EvalOptions:
     def __post_init__(self) -> None:
         if not self.prompts:
             raise ValueError("no prompt files: give --prompts FILE [FILE ...]")
-        repeated = repeated_files(self.prompts)
+        repeated = repeated_paths(self.prompts)
         if repeated:
             raise ValueError(
-                f"--prompts names {repeated[0]} twice: list each file once (its prompts would count "
-                "twice overall)"
+                f"--prompts names {self.prompts[repeated[0]]} twice: list each file once (its prompts "
+                "would count twice overall)"
             )
         if self.tau_mode not in TAU_MODES:
             raise ValueError(f"tau_mode={self.tau_mode!r}: use one of {list(TAU_MODES)}")
@@ -194,18 +194,6 @@ class EvalOptions:
     @property
     def thinking_flag(self) -> bool | None:
         return THINKING[self.thinking]
-
-
-def repeated_files(paths: list[str]) -> list[str]:
-    """The paths that name a file an earlier path already names (also when spelled differently)."""
-    seen: set[str] = set()
-    repeated = []
-    for path in paths:
-        key = os.path.realpath(path)
-        if key in seen:
-            repeated.append(path)
-        seen.add(key)
-    return repeated
 
 
 def parse_key_sizes(text: str) -> tuple[int, ...]:
