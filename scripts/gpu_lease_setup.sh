@@ -16,9 +16,10 @@
 #
 # prepare (on this machine, from the project root): the target's parts and the gguf wheel
 # (../shared/tools), the shared held-out prompts, the 92,597 regenerated rows (.dev/rows, from the
-# history: datasets/smollm2-135m-tasks/README.md) and the 10,058-step DFlash2 export
-# (exports/smollm2-135m-dflash2-10k/README.md) split into two halves that fit a call each
-# (.dev/exp1/st.00, .dev/exp2/st.01 with config.json and SERVING.md); what is there is kept.
+# history: datasets/smollm2-135m-tasks/README.md) and a trained export kept in the history, by
+# default the newest DFlash2 one (EXPORT=exports/smollm2-135m-dflash2-19k; its README's restore
+# command names the commit and the parts), split into two halves that fit a call each (.dev/exp1/st.00,
+# .dev/exp2/st.01 with config.json and SERVING.md); what is there is kept.
 #
 # target: the wheels in .whl/ into $TMP/site (if any), part a + part b -> $TMP/smol-src/model.gguf,
 # the converter -> $TMP/smol (skipped when it is there: a second call is cheap), this tree without
@@ -26,7 +27,7 @@
 set -euo pipefail
 tmp=${LEASE_TMP:-/tmp}
 # where prepare finds the rows and the export (the READMEs name these commits) and the shared tools
-rows_commit=${ROWS_COMMIT:-56d4946} export_commit=${EXPORT_COMMIT:-ab86930} half_bytes=46000000
+rows_commit=${ROWS_COMMIT:-56d4946} export_dir=${EXPORT:-exports/smollm2-135m-dflash2-19k} half_bytes=46000000
 case "${1:-}" in
   prepare)
     shared=${SHARED:-../shared}
@@ -40,11 +41,14 @@ case "${1:-}" in
       [ -s "$f" ] || git show "$rows_commit:datasets/smollm2-135m-tasks/${f##*/}" > "$f"
     done
     cp datasets/smollm2-135m-tasks/regen-rows.part03.jsonl.xz .dev/rows/
-    e=.dev/export-rows-92597-d2
+    # the export's README restores it: git show COMMIT:EXPORT/STEM.part$i.tar for its parts
+    restore=$(grep -o "git show [0-9a-f]*:$export_dir/[^ ]*\.part\$i\.tar" "$export_dir/README.md" | head -1) || true
+    [ -n "$restore" ] || { echo "$export_dir/README.md has no restore command (git show COMMIT:$export_dir/STEM.part\$i.tar)"; exit 1; }
+    export_commit=${restore#git show }; export_commit=${export_commit%%:*}
+    stem=${restore##*/}; stem=${stem%.part\$i.tar}
+    e=.dev/$stem
     if [ ! -f "$e/model.safetensors" ]; then
-      for i in 00 01 02 03 04 05; do
-        git show "$export_commit:exports/smollm2-135m-dflash2-10k/export-rows-92597-d2.part$i.tar"
-      done | tar -x -C .dev
+      for i in 00 01 02 03 04 05; do git show "$export_commit:$export_dir/$stem.part$i.tar"; done | tar -x -C .dev
     fi
     head -c $half_bytes "$e/model.safetensors" > .dev/exp1/st.00
     tail -c +$((half_bytes + 1)) "$e/model.safetensors" > .dev/exp2/st.01

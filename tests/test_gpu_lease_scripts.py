@@ -154,12 +154,16 @@ def test_prepare_restores_the_rows_and_splits_the_export_that_the_device_joins_b
         (rows / f"regen-rows.part0{i}.jsonl.xz").unlink()
     for part in parts.iterdir():
         part.unlink()
+    (parts / "README.md").write_text(  # what an export's README says once its parts left the tree
+        f"mkdir -p .dev && for i in 00 01 02 03 04 05; do git show {commit[:7]}:exports/smollm2-135m-dflash2-10k/"
+        "export-rows-92597-d2.part$i.tar; done | tar x -C .dev\n"
+    )
     for half in "ab":  # the target's parts and the wheel are there
         (repo / ".dev" / f"gguf-{half}").mkdir(parents=True)
         (repo / ".dev" / f"gguf-{half}" / "part").write_bytes(half.encode())
     (repo / ".whl").mkdir()
     (repo / ".whl" / "gguf-0.19.0-py3-none-any.whl").write_bytes(b"w")
-    env = {"ROWS_COMMIT": commit, "EXPORT_COMMIT": commit, "SHARED": str(shared)}
+    env = {"ROWS_COMMIT": commit, "EXPORT": "exports/smollm2-135m-dflash2-10k", "SHARED": str(shared)}
     done = subprocess.run(
         f"{SCRIPTS / 'gpu_lease_setup.sh'} prepare",
         shell=True,
