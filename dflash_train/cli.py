@@ -160,6 +160,22 @@ class CommandParser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
 
+def add_decode_step_args(p: argparse.ArgumentParser) -> None:
+    """regen's and synth's choices of the in-process slot engine's decode step."""
+    p.add_argument(
+        "--compile-decode",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="torch.compile the in-process decode step (auto: on for attention-only targets on CUDA)",
+    )
+    p.add_argument(
+        "--decode-attention",
+        choices=["auto", "flex", "grouped"],
+        default="auto",
+        help="the in-process decode step's attention (auto: flex on CUDA for attention-only targets, else grouped)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     from dflash_train.models.serving import LOOKUP_KEY_SIZE, LOOKUP_MAX_DRAFT  # light: no torch
 
@@ -321,18 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=["auto", "vllm", "transformers", "endpoint"], default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--compile-decode",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="torch.compile the in-process decode step (auto: on for attention-only targets on CUDA)",
-    )
-    p.add_argument(
-        "--decode-attention",
-        choices=["auto", "flex", "grouped"],
-        default="auto",
-        help="the in-process decode step's attention (auto: flex on CUDA for attention-only targets, else grouped)",
-    )
+    add_decode_step_args(p)
     p.add_argument("--endpoint", default="", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000/v1")
     p.add_argument("--model", default="", help="model name on the server (default: the one it serves)")
     p.add_argument("--api-key-env", default="", help="environment variable holding the server's API key")
@@ -365,18 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch-size", type=int, default=64, help="rows per generation batch (256-512 on a GPU)")
     p.add_argument("--device", default="auto")
-    p.add_argument(
-        "--compile-decode",
-        choices=["auto", "on", "off"],
-        default="auto",
-        help="torch.compile the in-process decode step (auto: on for attention-only targets on CUDA)",
-    )
-    p.add_argument(
-        "--decode-attention",
-        choices=["auto", "flex", "grouped"],
-        default="auto",
-        help="the in-process decode step's attention (auto: flex on CUDA for attention-only targets, else grouped)",
-    )
+    add_decode_step_args(p)
     p.add_argument("--min-prompt-chars", type=int, default=10)
     p.add_argument(
         "--near-dup-threshold", type=float, default=0.8, help="character 5-gram Jaccard similarity"
