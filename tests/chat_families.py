@@ -111,6 +111,14 @@ def save_with(directory: Path, model, tokenizer, eos_ids=None) -> None:
     tokenizer.save_pretrained(directory)
 
 
+# The requests the synth tests' chatty target (``chatty_dir`` in conftest.py) is trained to answer.
+CHATTY_PROMPTS = [
+    f"please {v} the {n}"
+    for v in ("explain", "describe", "write about")
+    for n in ("sea", "moon", "rain", "python")
+]
+
+
 def train_chatty_target(directory: Path, prompts: list[str], replies: list[str], steps: int = 150) -> Path:
     """A tiny ChatML (SmolLM2-style) target trained to write ``prompts`` as user turns and stop."""
     tokenizer = family_tokenizer("smollm2", corpus=[*DEFAULT_CORPUS, *prompts, *replies])

@@ -82,3 +82,12 @@ def tokenizer():
     from dflash_train.tiny import build_tokenizer
 
     return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def chatty_dir(tmp_path_factory, one_thread_module):
+    """A tiny chat target trained to answer ``tests.chat_families.CHATTY_PROMPTS`` (the synth tests)."""
+    from tests.chat_families import CHATTY_PROMPTS, train_chatty_target
+
+    directory = tmp_path_factory.mktemp("chatty")
+    return train_chatty_target(directory, CHATTY_PROMPTS, ["ok."] * len(CHATTY_PROMPTS), steps=150)

@@ -17,29 +17,10 @@ from tests.chat_families import (
     qwen_tokenizer,
     save_family_target,
     save_with,
-    train_chatty_target,
 )
 
-PROMPTS = [
-    f"please {v} the {n}"
-    for v in ("explain", "describe", "write about")
-    for n in ("sea", "moon", "rain", "python")
-]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two threads on a shared 2-core machine run ~15x slower than one for these tiny models."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def chatty_dir(tmp_path_factory):
-    torch.set_num_threads(1)
-    return train_chatty_target(tmp_path_factory.mktemp("chatty"), PROMPTS, ["ok."] * len(PROMPTS), steps=150)
+# Two threads on a shared 2-core machine run ~15x slower than one for these tiny models.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def options(target, output, **overrides):

@@ -5,34 +5,15 @@ row repeats, and determinism and resume per task."""
 import json
 
 import pytest
-import torch
 
 from dflash_train.cli import main
 from dflash_train.data.prompt_filters import normalise
 from dflash_train.data.synth import Synthesizer, SynthOptions, run_synth
 from dflash_train.data.synth_tasks import SynthTask, apportion, resolve_tasks, schedule
 from dflash_train.generate.sampling import Generation
-from tests.chat_families import train_chatty_target
 
-PROMPTS = [
-    f"please {v} the {n}"
-    for v in ("explain", "describe", "write about")
-    for n in ("sea", "moon", "rain", "python")
-]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def chatty_dir(tmp_path_factory):
-    torch.set_num_threads(1)
-    return train_chatty_target(tmp_path_factory.mktemp("chatty"), PROMPTS, ["ok."] * len(PROMPTS), steps=150)
+# Two threads on a shared 2-core machine run ~15x slower than one for these tiny models.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 TASKS = """
