@@ -67,9 +67,9 @@ def test_ambiguous_rows_are_counted_and_named_like_other_bad_rows(tokenizer, tmp
         tmp_path / "p.jsonl",
         [
             {"prompt": TEXT},
-            {"prompt": TEXT, "messages": CHAT},
+            {"prompt": "something else", "messages": CHAT},
             {"messages": CHAT},
-            {"prompt": TEXT, "conversations": SHAREGPT},
+            {"prompt": "something else", "conversations": SHAREGPT},
         ],
     )
     with pytest.raises(ValueError, match=r"p\.jsonl:2: bad prompt row \(ambiguous_prompt_row\): .*keep one"):
@@ -80,7 +80,7 @@ def test_ambiguous_rows_are_counted_and_named_like_other_bad_rows(tokenizer, tmp
 
 def test_serve_check_refuses_an_ambiguous_row_too(tokenizer, tmp_path):
     """serve-check sends the engine the row's turns: it took the prompt there as well."""
-    path = write_rows(tmp_path / "p.jsonl", [{"prompt": TEXT, "messages": CHAT}])
+    path = write_rows(tmp_path / "p.jsonl", [{"prompt": "something else", "messages": CHAT}])
     with pytest.raises(ValueError, match=r"p\.jsonl:1: .*both 'prompt' and 'messages'"):
         load_serve_prompts([str(path)], tokenizer, num_prompts=1)
 
@@ -90,6 +90,17 @@ def test_a_null_chat_beside_a_prompt_is_not_ambiguous(tokenizer):
     assert encode_prompt(tokenizer, {"prompt": TEXT, "messages": None}, None) == encode_prompt(
         tokenizer, {"prompt": TEXT}, None
     )
+
+
+@pytest.mark.parametrize("chat_key, turns", [("messages", CHAT), ("conversations", SHAREGPT)])
+def test_a_prompt_repeating_the_chats_first_request_is_a_chat_row(tokenizer, chat_key, turns):
+    """ultrachat_200k's rows carry the opening request as 'prompt' beside the whole chat; training reads
+    the chat, and so does the eval: refusing them would refuse the whole dataset."""
+    multi = [*turns, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "and more?"}]
+    if chat_key == "conversations":
+        multi = [*turns, {"from": "gpt", "value": "ok"}, {"from": "human", "value": "and more?"}]
+    row = {"prompt": TEXT, chat_key: multi}
+    assert encode_prompt(tokenizer, row, None) == encode_prompt(tokenizer, {chat_key: multi}, None)
 
 
 # ----------------------------------------------------------------------------- how a prompt starts

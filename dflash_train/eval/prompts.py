@@ -191,11 +191,15 @@ def encode_prompt(tokenizer, row: dict[str, Any], thinking: bool | None, where: 
 
 def plain_prompt(row: dict[str, Any], where: str) -> str | None:
     """The text of a ``{"prompt": text}`` row; None for a chat row. A row holding a ``prompt`` string
-    and a ``messages`` or ``conversations`` list is refused (``ambiguous_prompt_row``): one user turn or
-    the chat up to its last user turn, either could be the request meant."""
+    and a ``messages`` or ``conversations`` list is a chat row when the prompt repeats the chat's first
+    user turn (as the training data readers read it), and is refused otherwise
+    (``ambiguous_prompt_row``): one user turn or the chat up to its last user turn, either could be the
+    request meant."""
     forms = [key for key, kind in PROMPT_FORMS if isinstance(row.get(key), kind)]
     if "prompt" not in forms:
         return None
+    if len(forms) > 1 and row["prompt"] == first_user_turn(row):
+        return None  # the chat's opening request repeated beside it (ultrachat_200k's rows): a chat row
     if len(forms) > 1:
         quoted = [f"'{key}'" for key in forms]
         found = ("both " if len(forms) == 2 else "") + ", ".join(quoted[:-1]) + f" and {quoted[-1]}"
@@ -206,6 +210,17 @@ def plain_prompt(row: dict[str, Any], where: str) -> str | None:
             where,
         )
     return row["prompt"]
+
+
+def first_user_turn(row: dict[str, Any]) -> str | None:
+    """The content of a chat row's first user turn; None where the chat is malformed or has none."""
+    from dflash_train.data.readers import normalize_messages
+
+    try:
+        messages = normalize_messages(row)
+    except ValueError:
+        return None
+    return next((m["content"] for m in messages if m["role"] == "user"), None)
 
 
 def encode_text(tokenizer, text: str, where: str) -> list[int]:
