@@ -3,10 +3,14 @@
 A chat row is cut after its last user turn (the assistant replies that followed are what the target
 should now generate; earlier turns stay as the context of a multi-turn row) and rendered with the target's chat template plus the generation prompt, with
 thinking on/off/default as asked. A ``{"prompt": text}`` row becomes one user turn when the
-tokenizer has a chat template, and is encoded raw otherwise.
+tokenizer has a chat template. The rendering is tokenized without added special tokens, as training
+tokenizes its rows (``data.tokenize``): the template writes the BOS where the target has one. Without
+a chat template the text is encoded as the tokenizer encodes a text of its own accord, so a Llama-style
+tokenizer's BOS leads it (a trailing EOS that some tokenizers append is left off).
 
-Bad rows (invalid UTF-8, malformed JSON, no user turn, ...) raise a ``ValueError`` naming
-``file:line``, or are skipped and counted per file while their total stays within ``max_bad_rows``.
+Bad rows (invalid UTF-8, malformed JSON, no user turn, a ``prompt`` beside a chat, ...) raise a
+``ValueError`` naming ``file:line``, or are skipped and counted per file while their total stays
+within ``max_bad_rows``.
 """
 
 from __future__ import annotations
@@ -16,6 +20,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+# A prompt row's forms: one user turn, or a chat cut after its last user turn. A 'prompt' beside a chat
+# is ambiguous; 'messages' beside 'conversations' reads 'messages', as the training data readers do.
+PROMPT_FORMS = (("prompt", str), ("messages", list), ("conversations", list))
 
 
 @dataclass
@@ -150,13 +158,11 @@ class PromptRowError(ValueError):
 def encode_prompt(tokenizer, row: dict[str, Any], thinking: bool | None, where: str = "row") -> list[int]:
     """One row -> prompt token ids ending with the assistant generation prompt."""
     has_template = bool(getattr(tokenizer, "chat_template", None))
-    if isinstance(row.get("prompt"), str):
+    text = plain_prompt(row, where)
+    if text is not None:
         if not has_template:
-            ids = tokenizer(row["prompt"], add_special_tokens=False)["input_ids"]
-            if not ids:
-                raise PromptRowError("empty_prompt", "the prompt encodes to no tokens", where)
-            return ids
-        messages = [{"role": "user", "content": row["prompt"]}]
+            return encode_text(tokenizer, text, where)
+        messages = [{"role": "user", "content": text}]
     else:
         if not isinstance(row.get("messages"), list) and not isinstance(row.get("conversations"), list):
             raise PromptRowError(
@@ -169,15 +175,64 @@ def encode_prompt(tokenizer, row: dict[str, Any], thinking: bool | None, where: 
             raise PromptRowError("no_chat_template", "chat rows need a tokenizer with a chat template", where)
     kwargs = {} if thinking is None else {"enable_thinking": thinking}
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        rendered = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **kwargs
+        )
     except Exception as err:  # the template is user code: its raise_exception() or any jinja/type error
         raise PromptRowError(
             "template_error", f"the chat template refused the row: {type(err).__name__}: {err}", where
         ) from None
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    # As training tokenizes its rows (data.tokenize): the template writes the BOS where there is one.
+    ids = tokenizer(rendered, add_special_tokens=False)["input_ids"]
     if not ids:
         raise PromptRowError("empty_prompt", "the prompt renders to no tokens", where)
     return ids
+
+
+def plain_prompt(row: dict[str, Any], where: str) -> str | None:
+    """The text of a ``{"prompt": text}`` row; None for a chat row. A row holding a ``prompt`` string
+    and a ``messages`` or ``conversations`` list is a chat row when the prompt repeats the chat's first
+    user turn (as the training data readers read it), and is refused otherwise
+    (``ambiguous_prompt_row``): one user turn or the chat up to its last user turn, either could be the
+    request meant."""
+    forms = [key for key, kind in PROMPT_FORMS if isinstance(row.get(key), kind)]
+    if "prompt" not in forms:
+        return None
+    if len(forms) > 1 and row["prompt"] == first_user_turn(row):
+        return None  # the chat's opening request repeated beside it (ultrachat_200k's rows): a chat row
+    if len(forms) > 1:
+        quoted = [f"'{key}'" for key in forms]
+        found = ("both " if len(forms) == 2 else "") + ", ".join(quoted[:-1]) + f" and {quoted[-1]}"
+        raise PromptRowError(
+            "ambiguous_prompt_row",
+            f"the row has {found}; keep one of them (a 'prompt' string is one user turn, a chat "
+            "list is the conversation up to its last user turn)",
+            where,
+        )
+    return row["prompt"]
+
+
+def first_user_turn(row: dict[str, Any]) -> str | None:
+    """The content of a chat row's first user turn; None where the chat is malformed or has none."""
+    from dflash_train.data.readers import normalize_messages
+
+    try:
+        messages = normalize_messages(row)
+    except ValueError:
+        return None
+    return next((m["content"] for m in messages if m["role"] == "user"), None)
+
+
+def encode_text(tokenizer, text: str, where: str) -> list[int]:
+    """``text`` as the tokenizer encodes a text of its own accord (what the target was pretrained on
+    and a completions server feeds it): led by the special ids it adds (a Llama-style BOS), without
+    any it appends after the text (an EOS: a prompt to continue does not end the sequence)."""
+    bare = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not bare:
+        raise PromptRowError("empty_prompt", "the prompt encodes to no tokens", where)
+    full = tokenizer(text)["input_ids"]
+    start = next((i for i in range(len(full) - len(bare) + 1) if full[i : i + len(bare)] == bare), None)
+    return full if start is None else full[: start + len(bare)]
 
 
 def prompt_messages(row: dict[str, Any], where: str) -> list[dict[str, Any]]:

@@ -8,7 +8,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash_train.eval.prompts import PromptRowError, encode_prompt, prompt_messages, read_jsonl_rows
+from dflash_train.eval.prompts import (
+    PromptRowError,
+    encode_prompt,
+    plain_prompt,
+    prompt_messages,
+    read_jsonl_rows,
+)
 
 
 @dataclass
@@ -53,6 +59,7 @@ def load_serve_prompts(paths: Sequence[str], tokenizer, num_prompts: int) -> lis
 def row_messages(row: dict[str, Any], where: str) -> list[dict[str, str]]:
     """The turns the engine gets: a ``prompt`` string as one user turn, else the chat up to its last
     user turn (what ``encode_prompt`` renders)."""
-    if isinstance(row.get("prompt"), str):
-        return [{"role": "user", "content": row["prompt"]}]
+    text = plain_prompt(row, where)
+    if text is not None:
+        return [{"role": "user", "content": text}]
     return [{"role": m["role"], "content": m["content"]} for m in prompt_messages(row, where)]
