@@ -429,6 +429,29 @@ def test_the_lookup_sizes_reach_the_engine_and_the_eval_and_an_old_build_is_refu
         fake_options(fake_llama, tiny_export, tmp_path, device="gpu")
 
 
+def test_a_drafter_for_another_target_is_refused_before_any_conversion(fake_llama, tiny_export, tmp_path):
+    """The fit check ran in the exact eval, after llama.cpp's converter had turned the target and the
+    drafter into GGUF files (minutes for a real model): a drafter trained for another target is
+    refused first, with the eval's error, and the converter is never called. So is a bad prompt row,
+    which needs only the tokenizer."""
+    config = Path(tiny_export["export"], "config.json")
+    serving = json.loads(config.read_text())
+    depth = serving["num_target_layers"]
+    config.write_text(json.dumps({**serving, "num_target_layers": depth + 2}))
+    with pytest.raises(
+        ValueError, match=f"trained for a {depth + 2}-layer target, --target has {depth} layers"
+    ):
+        run_serve_check(fake_options(fake_llama, tiny_export, tmp_path))
+    assert not list(fake_llama["record"].glob("convert-*"))
+    config.write_text(json.dumps(serving))
+    Path(tiny_export["prompts"]).write_text('{"messages": []}\n')
+    with pytest.raises(ValueError, match="prompts.jsonl:1: .messages. is empty"):
+        run_serve_check(fake_options(fake_llama, tiny_export, tmp_path))
+    assert not list(fake_llama["record"].glob("convert-*"))
+    saved = json.loads((tmp_path / "work" / "serve_check.json").read_text())
+    assert saved["status"] == "failed" and "is empty" in saved["error"]
+
+
 def test_a_gguf_target_needs_its_hf_directory(tmp_path):
     gguf = tmp_path / "target.gguf"
     gguf.write_bytes(b"GGUF")

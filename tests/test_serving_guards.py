@@ -262,6 +262,50 @@ def test_training_writes_serving_md_next_to_its_export(task, tmp_path):
     assert "--speculative-num-draft-tokens 8" in notes  # the tiny-cpu recipe's block size
 
 
+def write_recipe_checkpoint(step, config, target: str) -> None:
+    """A committed training checkpoint whose saved recipe names ``target`` as ``target.path``."""
+    step.mkdir(parents=True)
+    (step / "drafter_config.json").write_text(json.dumps(config.to_serving_dict()))
+    torch.manual_seed(0)
+    save_file(
+        {k: v.contiguous() for k, v in DFlashDrafter(config).state_dict().items()},
+        str(step / "drafter.safetensors"),
+    )
+    (step / "config.yaml").write_text(f"target:\n  path: {target}\n")
+    (step / "COMMITTED").write_text("")
+
+
+@pytest.mark.parametrize("writer", ["export", "save_drafter", "eval"])
+@pytest.mark.parametrize("local", [True, False])
+def test_serving_md_names_a_local_target_by_its_absolute_path(tmp_path, monkeypatch, writer, local):
+    """``target.path=../models/smol`` (relative to where training ran) was copied into SERVING.md,
+    which is read from elsewhere, often on another machine: an existing local directory is named by
+    its absolute path, by every writer of SERVING.md (``dflash-train export`` from the checkpoint's
+    recipe, the end of training, ``eval --output-dir EXPORT``). A hub id stays as written."""
+    from dflash_train.models.export import export_checkpoint
+    from dflash_train.models.serving import write_serving_notes
+
+    (tmp_path / "models" / "smol").mkdir(parents=True)
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path / "work")
+    target = "../models/smol" if local else "Qwen/Qwen3-8B"
+    expected = str((tmp_path / "models" / "smol").resolve()) if local else target
+    config, out = tiny_drafter_config(), tmp_path / "export"
+    if writer == "export":
+        write_recipe_checkpoint(tmp_path / "step-5", config, target)
+        export_checkpoint(tmp_path / "step-5", out, dtype="float32")
+    elif writer == "save_drafter":
+        save_drafter(DFlashDrafter(config), config, out, target=target)
+    else:
+        save_drafter(DFlashDrafter(config), config, out)
+        write_serving_notes(config, out, target)
+    notes = (out / "SERVING.md").read_text()
+    for flag in ("--model-path", "vllm serve", "--target-model-dir", "dflash-train eval --target"):
+        assert f"{flag} {expected} " in notes, flag
+    if local:
+        assert "../models/smol" not in notes
+
+
 # ----------------------------------------------------------------------------- drafter.init_from
 
 

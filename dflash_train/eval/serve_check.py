@@ -1,11 +1,13 @@
 """``dflash-train serve-check``: the export decoded by a real engine (llama.cpp), next to the exact eval.
 
-The export is converted with llama.cpp's own ``convert_hf_to_gguf.py --target-model-dir``, and
-``llama-server`` decodes the prompts greedily (OpenAI chat API, temperature 0): plainly, with the
-drafter (its variant's ``--spec-type``, ``draft-dflash`` or ``draft-dspark``, ``--spec-draft-n-max B-1
---spec-draft-p-min 0``; the run is named by that spec type), with each of the
-engine's n-gram prompt lookups (``ngram-simple``, ``ngram-mod``) alone, and with each of them before
-the drafter (``--spec-type ngram-simple,draft-dflash``, run ``ngram-simple+draft-dflash``; ``eval/serve_runs.py``). The engine's tau (from
+The checks that need no conversion come first (the server's flags, the drafter against the target,
+the prompt rows: ``eval/serve_eval.py``), so a mismatched pair is refused in seconds, not after the
+converter's minutes. The export is converted with llama.cpp's own ``convert_hf_to_gguf.py
+--target-model-dir``, and ``llama-server`` decodes the prompts greedily (OpenAI chat API,
+temperature 0): plainly, with the drafter (its variant's ``--spec-type``, ``draft-dflash`` or
+``draft-dspark``, ``--spec-draft-n-max B-1 --spec-draft-p-min 0``; the run is named by that spec
+type), with each of the engine's n-gram prompt lookups (``ngram-simple``, ``ngram-mod``) alone,
+and with each of them before the drafter (``--spec-type ngram-simple,draft-dflash``, run ``ngram-simple+draft-dflash``; ``eval/serve_runs.py``). The engine's tau (from
 ``draft_n`` / ``draft_n_accepted``) and tokens/s are printed next to the project's exact tau on the
 same prompts and target weights (the HF directory the GGUF was made from, or dequantized from): the
 drafter's beside the eval's ``dflash``, ngram-simple's combination beside the eval's ``ngram+dflash``
@@ -40,11 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dflash_train.eval import llama_cpp
-from dflash_train.eval.prompts import PromptFile
-from dflash_train.eval.serve_prompts import ServePrompt, load_serve_prompts
+from dflash_train.eval.serve_eval import check_pair_and_read_prompts, exact_eval
+from dflash_train.eval.serve_prompts import ServePrompt
 from dflash_train.eval.serve_runs import combined_run, engine_configurations, engine_runs
 from dflash_train.eval.summary import ratio, summarize_rounds
 from dflash_train.models.dtypes import parse_device
@@ -185,19 +185,22 @@ def serve_and_compare(
     options: ServeCheckOptions, server: Path, converter: Path, workdir: Path, record: ServeCheckRecord,
     help_text: str,
 ) -> dict[str, Any]:  # fmt: skip
-    """The stages of one run, each recorded as it finishes: conversions, exact eval, engine runs.
-    The drafter's run is named by its ``--spec-type``, the variant's (``draft-dflash``, ``draft-dspark``)."""
+    """The stages of one run, each recorded as it finishes: the checks that need no conversion (the
+    server's flags, the drafter against the target, the prompts), conversions, exact eval, engine
+    runs. The drafter's run is named by its ``--spec-type``, the variant's (``draft-dflash``,
+    ``draft-dspark``)."""
     export = exported_drafter(options.drafter, workdir)
     spec_type = export_spec_type(export)
     llama_cpp.check_server_supports(help_text, [], [spec_type])
     block_size = export_block_size(export)
+    prompt_files = check_pair_and_read_prompts(options, export)  # before the converter's minutes
     target_gguf = target_gguf_file(options, converter, workdir)
     draft_gguf = llama_cpp.convert_to_gguf(
         converter, export, workdir / "draft-f32.gguf", target_model_dir=options.target_hf
     )
     locations = {"target_gguf": str(target_gguf), "draft_gguf": str(draft_gguf), "workdir": str(workdir)}
     record.update(block_size=block_size, drafter_run=spec_type, **locations)
-    eval_side = exact_eval(options, export)
+    eval_side = exact_eval(options, export, prompt_files)
     prompts = eval_side.pop("prompts")
     dflash_eval = eval_numbers(eval_side["dflash"], block_size)
     record.update(
@@ -256,36 +259,6 @@ def target_gguf_file(options: ServeCheckOptions, converter: Path, workdir: Path)
     if not Path(options.target).is_dir():
         return Path(options.target)
     return llama_cpp.convert_to_gguf(converter, options.target, workdir / "target-f32.gguf")
-
-
-def exact_eval(options: ServeCheckOptions, export: Path) -> dict[str, Any]:
-    """The project's exact eval (fp32) on the same prompts: DFlash, n-gram and ngram+dflash
-    generations, and the prompts themselves."""
-    from dflash_train.eval.command import check_drafter_fits, load_eval_drafter, load_eval_target, measure
-    from dflash_train.eval.options import EvalOptions
-    from dflash_train.eval.target_session import decoder_layers
-
-    device = parse_device(options.device, "--device")
-    target_model, tokenizer = load_eval_target(options.target_hf, torch.float32, device)
-    drafter = load_eval_drafter(str(export), device, torch.float32)
-    frozen = check_drafter_fits(drafter.config, target_model, tokenizer)
-    prompt_files = load_serve_prompts(options.prompts, tokenizer, options.num_prompts)
-    files = [PromptFile(path, [p.ids for p in ps]) for path, ps in zip(options.prompts, prompt_files)]
-    eval_options = EvalOptions(
-        target=options.target_hf, drafter=str(export), prompts=list(options.prompts),
-        max_new_tokens=options.max_new_tokens, baseline="ngram", dtype="float32",
-        ngram_min_match=(options.ngram_min_match,), ngram_max_draft=options.ngram_max_draft,
-        device=options.device, progress=False,
-    )  # fmt: skip
-    generations = measure(target_model, frozen, tokenizer, drafter, files, eval_options)["generations"]
-    return {
-        "target_recurrent": any(hasattr(layer, "linear_attn") for layer in decoder_layers(target_model)),
-        "prompts": [p for ps in prompt_files for p in ps],
-        "dflash": generations["dflash"],
-        "ngram": generations["ngram"],
-        "ngram+dflash": generations["ngram+dflash"],
-        "greedy_texts": [tokenizer.decode(g.tokens, skip_special_tokens=True) for g in generations["dflash"]],
-    }
 
 
 def engine_numbers(completions: Sequence[llama_cpp.Completion]) -> dict[str, Any]:

@@ -75,10 +75,11 @@ def serving_flags(
 ) -> dict[str, str]:
     """The launch commands of SGLang, vLLM and llama.cpp for this export: ``{"sglang": ..., "vllm":
     ..., "llama_cpp": ..., "llama_cpp_combined": ...}`` (llama.cpp: its converter, then llama-server
-    with the drafter alone, or with ngram-simple first; docs/training.md). ``lookup`` is
-    ngram-simple's (key size, draft limit); default (``LOOKUP_KEY_SIZE``, ``LOOKUP_MAX_DRAFT``)."""
+    with the drafter alone, or with ngram-simple first; docs/training.md). The export and a local
+    target are named by absolute paths (``served_target``). ``lookup`` is ngram-simple's (key size,
+    draft limit); default (``LOOKUP_KEY_SIZE``, ``LOOKUP_MAX_DRAFT``)."""
     draft_path = str(Path(export_dir).resolve())
-    draft, target = shell_word(draft_path), shell_word(target)
+    draft, target = shell_word(draft_path), shell_word(served_target(target))
     variant = get_variant(config.variant)
     drafts = config.num_draft_tokens
     key_size, max_draft = lookup or (LOOKUP_KEY_SIZE, LOOKUP_MAX_DRAFT)
@@ -102,6 +103,17 @@ def serving_flags(
         "llama_cpp": f"{convert} && {server} {' '.join(alone)} --jinja",
         "llama_cpp_combined": f"{server} {' '.join(combined)} --jinja",
     }
+
+
+def served_target(target: str) -> str:
+    """``target`` as the export's serving notes name it: an existing local directory by its absolute
+    path (a relative one, such as ``target.path=../models/smol``, means nothing where SERVING.md is
+    read, often on another machine); a hub id (``Qwen/Qwen3-8B``), a ``preset:``/``builtin:`` name
+    or the placeholder as written. A relative path resolves against this process's directory, the
+    one the writer (training, ``dflash-train eval``, ``dflash-train export``) runs in."""
+    if target == TARGET_PLACEHOLDER or not Path(target).is_dir():
+        return target
+    return str(Path(target).resolve())
 
 
 def shell_word(text: str) -> str:
@@ -264,10 +276,10 @@ def llama_cpp_causality_warnings(config: DFlashDraftConfig) -> list[str]:
 
 
 def serving_notes(config: DFlashDraftConfig, export_dir: str | Path, target: str = TARGET_PLACEHOLDER) -> str:
-    """The text of ``SERVING.md``: block length, the engines' launch commands, llama.cpp's
-    lookup-first combination with the eval's numbers where ``export_dir/eval.json`` has them, and
-    the applicable warnings."""
-    measured = measured_lookup(export_dir)
+    """The text of ``SERVING.md``: block length, the engines' launch commands (``target`` as
+    ``served_target`` names it), llama.cpp's lookup-first combination with the eval's numbers where
+    ``export_dir/eval.json`` has them, and the applicable warnings."""
+    measured, target = measured_lookup(export_dir), served_target(target)
     flags = serving_flags(config, export_dir, target, None if measured is None else measured["lookup"])
     block, drafts, verify = config.block_size, config.num_draft_tokens, config.num_verify_tokens
     name = get_variant(config.variant).label
