@@ -173,6 +173,9 @@ def test_export_best_is_the_best_step(evaluated_run, task, prompt_files):
     assert reference_tau(task, prompt_files, out / "export-best")["eval_tau"] == pytest.approx(
         best["eval_tau"], abs=1e-9
     )
+    # its serving commands name the folder it is served from, not the one it was written in
+    notes = (out / "export-best" / "SERVING.md").read_text()
+    assert str((out / "export-best").resolve()) in notes and ".export-best.tmp" not in notes
 
 
 def test_eval_leaves_the_training_losses_unchanged(evaluated_run, task, tmp_path):

@@ -79,11 +79,13 @@ def save_drafter(
     dtype: str = "bfloat16",
     *,
     target: str = TARGET_PLACEHOLDER,
+    served_from: str | Path | None = None,
     announce: bool = False,
 ) -> Path:
     """Write ``config.json``, ``model.safetensors`` (drafter tensors in ``dtype``) and ``SERVING.md``
-    (the exact SGLang/vLLM flags, with ``target`` as the target model) to out_dir; ``announce`` also
-    prints the serving flags."""
+    (the exact SGLang/vLLM flags, with ``target`` as the target model and ``served_from`` as the
+    drafter, default out_dir: a staging folder renamed afterwards names its final place) to out_dir;
+    ``announce`` also prints the serving flags."""
     torch_dtype = _torch_dtype(dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -91,7 +93,7 @@ def save_drafter(
     serving = config.to_serving_dict()
     serving["torch_dtype"] = serving["dtype"] = dtype
     set_aside_other_weights_eval(out, tensors)
-    notes = serving_notes(config, out, target)
+    notes = serving_notes(config, out, target, served_from)
     _write_atomically(
         out,
         {

@@ -275,11 +275,19 @@ def llama_cpp_causality_warnings(config: DFlashDraftConfig) -> list[str]:
     ]
 
 
-def serving_notes(config: DFlashDraftConfig, export_dir: str | Path, target: str = TARGET_PLACEHOLDER) -> str:
+def serving_notes(
+    config: DFlashDraftConfig,
+    export_dir: str | Path,
+    target: str = TARGET_PLACEHOLDER,
+    served_from: str | Path | None = None,
+) -> str:
     """The text of ``SERVING.md``: block length, the engines' launch commands (``target`` as
     ``served_target`` names it), llama.cpp's lookup-first combination with the eval's numbers where
-    ``export_dir/eval.json`` has them, and the applicable warnings."""
+    ``export_dir/eval.json`` has them, and the applicable warnings. The commands name
+    ``served_from``, the folder the export is served from once written (default ``export_dir``;
+    ``export-best`` is written in a staging folder and renamed)."""
     measured, target = measured_lookup(export_dir), served_target(target)
+    export_dir = export_dir if served_from is None else served_from
     flags = serving_flags(config, export_dir, target, None if measured is None else measured["lookup"])
     block, drafts, verify = config.block_size, config.num_draft_tokens, config.num_verify_tokens
     name = get_variant(config.variant).label

@@ -433,7 +433,14 @@ def write_export_best(run, drafter: torch.nn.Module, record: dict[str, Any]) -> 
     best = recover_export_best(output_dir)
     staging, old = output_dir / f".{BEST_DIR}.tmp", output_dir / f".{BEST_DIR}.old"
     shutil.rmtree(staging, ignore_errors=True)
-    save_drafter(drafter, run.draft_config, staging, dtype=run.cfg.train.dtype, target=run.cfg.target.path)
+    save_drafter(
+        drafter,
+        run.draft_config,
+        staging,
+        dtype=run.cfg.train.dtype,
+        target=run.cfg.target.path,
+        served_from=best,
+    )
     (staging / BEST_RECORD).write_text(json.dumps(finite_or_null(record), indent=2) + "\n")
     shutil.rmtree(old, ignore_errors=True)
     if best.exists():
