@@ -185,3 +185,15 @@ def test_prepare_restores_the_rows_and_splits_the_export_that_the_device_joins_b
     assert joined.returncode == 0, joined.stderr
     assert (tmp / "export" / "model.safetensors").read_bytes() == weights
     assert (tmp / "export" / "config.json").read_text() == "{}"
+    # an export whose README has no restore command is named, not guessed at
+    (repo / "exports" / "other").mkdir()
+    (repo / "exports" / "other" / "README.md").write_text("trained elsewhere\n")
+    other = subprocess.run(
+        f"{SCRIPTS / 'gpu_lease_setup.sh'} prepare",
+        shell=True,
+        cwd=repo,
+        env={**os.environ, **env, "EXPORT": "exports/other"},
+        capture_output=True,
+        text=True,
+    )
+    assert other.returncode == 1 and "exports/other/README.md has no restore command" in other.stdout
