@@ -317,7 +317,26 @@ def build_engine(opts: RegenOptions):
     return TransformersEngine(opts, device)
 
 
-class TransformersEngine:
+class LocalEngine:
+    """What the in-process engines share: rows regenerated turn by turn (``regenerate``), each turn's
+    prompts rendered with the target's chat template (``tokenizer``, ``template_kwargs``) and handed
+    to the engine's own ``generate_ids``."""
+
+    tokenizer: Any
+    template_kwargs: dict
+
+    def regenerate(self, rows: list[ChatRow]):
+        return regenerate(self, rows)
+
+    def generate(self, conversations: list[list[dict]], keys: list[int]) -> list[Reply]:
+        prompts = render_prompts(self.tokenizer, conversations, self.template_kwargs)
+        return generate_rendered(self.generate_ids, prompts, keys)
+
+    def generate_ids(self, ids: list[list[int]], keys: list[int]) -> list[Reply]:
+        raise NotImplementedError
+
+
+class TransformersEngine(LocalEngine):
     """In-process generation on ``generate.engine``'s engine (``--batch-size`` slots), greedy at temperature 0."""
 
     name = "transformers"
@@ -334,13 +353,6 @@ class TransformersEngine:
             self.model, num_slots=opts.batch_size, compile_decode=compile_decode_choice(opts.compile_decode),
             decode_attention=decode_attention_choice(opts.decode_attention),
         )  # fmt: skip
-
-    def regenerate(self, rows: list[ChatRow]):
-        return regenerate(self, rows)
-
-    def generate(self, conversations: list[list[dict]], keys: list[int]) -> list[Reply]:
-        prompts = render_prompts(self.tokenizer, conversations, self.template_kwargs)
-        return generate_rendered(self.generate_ids, prompts, keys)
 
     def generate_ids(self, ids: list[list[int]], keys: list[int]) -> list[Reply]:
         generations = self.generator.generate(
@@ -401,7 +413,7 @@ def reply_stop_ids(tokenizer, eos: list[int], kwargs: dict) -> set[int]:
         return set(eos)
 
 
-class VllmEngine:
+class VllmEngine(LocalEngine):
     """vLLM offline generation; prompts are rendered with the target's own chat template."""
 
     name = "vllm"
@@ -417,13 +429,6 @@ class VllmEngine:
         # template's end of turn must be named, the stops of the transformers engine.
         eos = resolve_eos_ids(self.tokenizer, target_generation_config(opts.target))
         self.stop_ids = reply_stop_ids(self.tokenizer, eos, self.template_kwargs)
-
-    def regenerate(self, rows: list[ChatRow]):
-        return regenerate(self, rows)
-
-    def generate(self, conversations: list[list[dict]], keys: list[int]) -> list[Reply]:
-        prompts = render_prompts(self.tokenizer, conversations, self.template_kwargs)
-        return generate_rendered(self.generate_ids, prompts, keys)
 
     def generate_ids(self, ids: list[list[int]], keys: list[int]) -> list[Reply]:
         from vllm import SamplingParams
