@@ -198,18 +198,18 @@ def plain_prompt(row: dict[str, Any], where: str) -> str | None:
     forms = [key for key, kind in PROMPT_FORMS if isinstance(row.get(key), kind)]
     if "prompt" not in forms:
         return None
-    if len(forms) > 1 and row["prompt"] == first_user_turn(row):
+    if len(forms) == 1:
+        return row["prompt"]
+    if row["prompt"] == first_user_turn(row):
         return None  # the chat's opening request repeated beside it (ultrachat_200k's rows): a chat row
-    if len(forms) > 1:
-        quoted = [f"'{key}'" for key in forms]
-        found = ("both " if len(forms) == 2 else "") + ", ".join(quoted[:-1]) + f" and {quoted[-1]}"
-        raise PromptRowError(
-            "ambiguous_prompt_row",
-            f"the row has {found}; keep one of them (a 'prompt' string is one user turn, a chat "
-            "list is the conversation up to its last user turn)",
-            where,
-        )
-    return row["prompt"]
+    quoted = [f"'{key}'" for key in forms]
+    found = ("both " if len(forms) == 2 else "") + ", ".join(quoted[:-1]) + f" and {quoted[-1]}"
+    raise PromptRowError(
+        "ambiguous_prompt_row",
+        f"the row has {found}; keep one of them (a 'prompt' string is one user turn, a chat "
+        "list is the conversation up to its last user turn)",
+        where,
+    )
 
 
 def first_user_turn(row: dict[str, Any]) -> str | None:

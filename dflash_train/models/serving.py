@@ -218,7 +218,7 @@ def lookup_advice(measured: dict | None, export_dir: str | Path, target: str) ->
     """Whether to serve llama.cpp's lookup-first combination: the eval's numbers and the pick, or how
     to get them."""
     if measured is None:
-        target, export = shell_word(target), shell_word(str(export_dir))
+        target, export = shell_word(served_target(target)), shell_word(str(export_dir))
         return [
             "Whether it beats the drafter alone depends on the prompts (lookup wins in repetition, the "
             "drafter elsewhere). Measure it on yours: `dflash-train eval --target "
@@ -286,7 +286,7 @@ def serving_notes(
     ``export_dir/eval.json`` has them, and the applicable warnings. The commands name
     ``served_from``, the folder the export is served from once written (default ``export_dir``;
     ``export-best`` is written in a staging folder and renamed)."""
-    measured, target = measured_lookup(export_dir), served_target(target)
+    measured = measured_lookup(export_dir)
     export_dir = export_dir if served_from is None else served_from
     flags = serving_flags(config, export_dir, target, None if measured is None else measured["lookup"])
     block, drafts, verify = config.block_size, config.num_draft_tokens, config.num_verify_tokens
