@@ -217,6 +217,23 @@ def test_export_checkpoint_dir_and_cli(tmp_path, capsys):
     torch.testing.assert_close(loaded.norm.weight, drafter.norm.weight.to(torch.bfloat16))
 
 
+def test_export_from_another_folder_names_the_target_the_run_was_launched_with(tmp_path, monkeypatch):
+    """A recipe's relative ``target.path`` means the folder the run was launched from (run_info.json's
+    ``launch_dir``), not the one ``dflash-train export`` runs in."""
+    (tmp_path / "project" / "models" / "smol").mkdir(parents=True)
+    run = tmp_path / "project" / "runs" / "r"
+    step = run / "checkpoints" / "step-5"
+    write_checkpoint(step, tiny_config(), seed=4)
+    (step / "config.yaml").write_text("target:\n  path: models/smol\n")
+    (run / "run_info.json").write_text(json.dumps({"launch_dir": str(tmp_path / "project")}))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    export_checkpoint(run, tmp_path / "out", dtype="float32")
+    notes = (tmp_path / "out" / "SERVING.md").read_text()
+    assert f"--model-path {tmp_path / 'project' / 'models' / 'smol'} " in notes and " models/smol" not in notes
+
+
 def test_export_refuses_uncommitted_checkpoint(tmp_path):
     write_checkpoint(tmp_path / "step-3", tiny_config(), seed=0, committed=False)
     with pytest.raises(ValueError, match="COMMITTED"):

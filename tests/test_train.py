@@ -28,6 +28,7 @@ def test_loss_falls_and_result_names_checkpoint_and_export(task, tmp_path):
     assert (Path(result["export"]) / "model.safetensors").is_file()
     info = json.loads((tmp_path / "run" / "run_info.json").read_text())
     assert info["target_kernels"]["chunk_gated_delta_rule"] == "torch" and info["world_size"] == 1
+    assert info["launch_dir"] == os.getcwd()  # where the recipe's relative paths mean something
 
 
 def test_golden_losses_of_a_fixed_seed_run(task, tmp_path):

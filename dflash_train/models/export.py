@@ -309,11 +309,20 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, dtype: str = "
 
 
 def recipe_target(checkpoint: Path) -> str:
-    """``target.path`` of the recipe saved in a checkpoint (``config.yaml``), for the serving flags."""
+    """``target.path`` of the recipe saved in a checkpoint (``config.yaml``), for the serving flags.
+
+    A relative path names a folder under the directory the run was launched from (``launch_dir`` in
+    the run's ``run_info.json``, two levels above ``checkpoints/step-N``), which need not be the one
+    this export runs in; a path that is no folder there either (a hub id) stays as written."""
     import yaml
 
     recipe = checkpoint / "config.yaml"
     if not recipe.is_file():
         return TARGET_PLACEHOLDER
     raw = yaml.safe_load(recipe.read_text()) or {}
-    return str((raw.get("target") or {}).get("path") or TARGET_PLACEHOLDER)
+    target = str((raw.get("target") or {}).get("path") or TARGET_PLACEHOLDER)
+    info = checkpoint.parent.parent / "run_info.json"
+    if Path(target).is_absolute() or Path(target).is_dir() or not info.is_file():
+        return target
+    launched = Path(json.loads(info.read_text()).get("launch_dir") or ".") / target
+    return str(launched.resolve()) if launched.is_dir() else target

@@ -13,6 +13,7 @@ the data position to the same fraction of the current epoch; it is logged.
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -114,6 +115,7 @@ def write_run_info(run: Run, **extra: Any) -> None:
         "drafter_params": sum(p.numel() for p in unwrap(run.model).parameters()),
         "world_size": run.info.world_size,
         "device": str(run.info.device),
+        "launch_dir": os.getcwd(),  # the recipe's relative paths (target.path, data.path) resolve here
         "total_steps": run.total_steps,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         **extra,
