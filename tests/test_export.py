@@ -231,7 +231,9 @@ def test_export_from_another_folder_names_the_target_the_run_was_launched_with(t
     monkeypatch.chdir(elsewhere)
     export_checkpoint(run, tmp_path / "out", dtype="float32")
     notes = (tmp_path / "out" / "SERVING.md").read_text()
-    assert f"--model-path {tmp_path / 'project' / 'models' / 'smol'} " in notes and " models/smol" not in notes
+    assert (
+        f"--model-path {tmp_path / 'project' / 'models' / 'smol'} " in notes and " models/smol" not in notes
+    )
 
 
 def test_export_refuses_uncommitted_checkpoint(tmp_path):
