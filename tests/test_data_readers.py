@@ -152,6 +152,13 @@ BAD_LINES = [
     ({"messages": [{"role": "user", "content": "hi"}]}, "no_assistant_turn"),
     ({"text": "plain text"}, "not_a_chat_row"),
     ([1, 2, 3], "not_a_chat_row"),
+    (  # which of the two is the conversation? (data.format=messages or sharegpt says)
+        {
+            "messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+            "conversations": [{"from": "human", "value": "c"}, {"from": "gpt", "value": "d"}],
+        },
+        "ambiguous_chat_row",
+    ),
 ]
 
 
@@ -168,6 +175,13 @@ def test_bad_line_is_a_counted_skip_within_the_limit(tmp_path, line, reason):
     rows, skips = read([path], max_bad_rows=1)
     assert [r.line for r in rows] == [1, 3]
     assert skips.to_dict() == {reason: 1}
+
+
+@pytest.mark.parametrize("fmt,first", [("messages", "a"), ("sharegpt", "c")])
+def test_a_format_reads_its_key_of_a_row_that_has_both(tmp_path, fmt, first):
+    path = write_lines(tmp_path / "both.jsonl", [BAD_LINES[-1][0]])
+    rows, _ = read([path], fmt=fmt)
+    assert rows[0].messages[0]["content"] == first
 
 
 def test_exceeding_the_limit_raises_with_counts(tmp_path):

@@ -298,6 +298,8 @@ def iter_chat_rows(
 def normalize_messages(raw: dict[str, Any], fmt: str = "auto") -> list[dict[str, Any]]:
     """A raw row to a list of ``{"role", "content", ...}`` dicts; raises ``BadRowError``."""
     if fmt == "auto":
+        if "messages" in raw and "conversations" in raw:
+            raise BadRowError("ambiguous_chat_row", "row has both a 'messages' and a 'conversations' list")
         fmt = "messages" if "messages" in raw else "sharegpt" if "conversations" in raw else ""
     key = {"messages": "messages", "sharegpt": "conversations"}.get(fmt)
     if key is None or key not in raw:
