@@ -17,7 +17,7 @@
 # prepare (on this machine, from the project root): the target's parts and the gguf wheel
 # (../shared/tools), the shared held-out prompts, the 92,597 regenerated rows (.dev/rows, from the
 # history: datasets/smollm2-135m-tasks/README.md) and a trained export kept in the history, by
-# default the newest DFlash2 one (EXPORT=exports/smollm2-135m-dflash2-19k; its README's restore
+# default the newest DFlash2 one (EXPORT=exports/smollm2-135m-dflash2-28k; its README's restore
 # command names the commit and the parts), split into two halves that fit a call each (.dev/exp1/st.00,
 # .dev/exp2/st.01 with config.json and SERVING.md); what is there is kept.
 #
@@ -27,7 +27,7 @@
 set -euo pipefail
 tmp=${LEASE_TMP:-/tmp}
 # where prepare finds the rows and the export (the READMEs name these commits) and the shared tools
-rows_commit=${ROWS_COMMIT:-56d4946} export_dir=${EXPORT:-exports/smollm2-135m-dflash2-19k} half_bytes=46000000
+rows_commit=${ROWS_COMMIT:-56d4946} export_dir=${EXPORT:-exports/smollm2-135m-dflash2-28k} half_bytes=46000000
 case "${1:-}" in
   prepare)
     shared=${SHARED:-../shared}
