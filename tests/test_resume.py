@@ -244,6 +244,9 @@ def test_resume_refuses_a_changed_drafter_naming_the_key(task, four_step_run, tm
         ("train.dtype=bfloat16", "train.dtype"),
         ("train.lr=1e-3", "train.lr"),
         ("train.betas=[0.9,0.99]", "train.betas"),
+        ("train.warmup_ratio=0.5", "train.warmup_ratio"),
+        ("train.min_lr_ratio=0.5", "train.min_lr_ratio"),
+        ("train.clip_grad_norm=0.5", "train.clip_grad_norm"),
     ],
 )
 def test_resume_refuses_changed_data_or_numerics_naming_the_key(task, four_step_run, tmp_path, change, key):

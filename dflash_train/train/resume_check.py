@@ -35,9 +35,12 @@ RESUME_CRITICAL = (
     "train.num_epochs",
     "train.grad_accum",
     "train.lr_schedule",
+    "train.warmup_ratio",  # the schedule's shape: the LR of every remaining step
+    "train.min_lr_ratio",
     "train.lr",  # the optimizer's settings: an allowed change applies from the resumed step on
     "train.betas",
     "train.weight_decay",
+    "train.clip_grad_norm",
     "train.seed",
     "train.anchors_per_token",  # anchors of a packed row
     "train.lookup_anchor_weight",  # which anchors are drawn
