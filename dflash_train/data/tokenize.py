@@ -201,8 +201,16 @@ def assistant_char_spans(tokenizer, messages, kwargs) -> tuple[str, list[tuple[i
 
 
 def response_start(tokenizer, messages, i: int, full: str, kwargs) -> int:
-    if i == 0:
-        return 0
+    if i == 0:  # no generation prompt renders before it: transformers refuses an empty conversation
+        start = content_start(tokenizer, messages, 0, full, kwargs)
+        if start is None:
+            raise BadRowError(
+                "template_error",
+                "the conversation opens with an assistant message and the chat template does not write "
+                "its content verbatim, so where its reply starts cannot be found; start the row with a "
+                "user message",
+            )
+        return start
     history = render(tokenizer, messages[:i], kwargs)
     prompt = render(tokenizer, messages[:i], kwargs, generation_prompt=True)
     start = common_prefix_length(prompt, full)
@@ -213,6 +221,19 @@ def response_start(tokenizer, messages, i: int, full: str, kwargs) -> int:
             "the loss mask cannot be derived. Use a template with {% generation %} markers."
         )
     return start
+
+
+def content_start(tokenizer, messages, i: int, full: str, kwargs) -> int | None:
+    """Where assistant message ``i``'s content starts in ``full`` at the latest: where ``full`` parts
+    from the same conversation rendered with a sentinel as that content (the header and whatever the
+    template writes before the content are before it). None when the template does not write the
+    sentinel (it transforms content)."""
+    probe = render(
+        tokenizer, [*messages[:i], {**messages[i], "content": SENTINEL}, *messages[i + 1 :]], kwargs
+    )
+    if SENTINEL not in probe:
+        return None
+    return common_prefix_length(probe.split(SENTINEL, 1)[0], full)
 
 
 def response_end(tokenizer, messages, i: int, full: str, start: int, closing: str, kwargs) -> int:
