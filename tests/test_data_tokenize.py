@@ -113,6 +113,27 @@ def test_a_conversation_opening_with_an_assistant_message_labels_its_reply_only(
     assert masked_spans(tok, ids, mask) == [OPENS_WITH_ASSISTANT[0]["content"] + end_of_turn, *answered]
 
 
+@pytest.mark.parametrize(
+    ("family", "thinking"), [("qwen", False), ("qwen3", False), ("qwen3.5", None), ("qwen3.6", None)]
+)
+def test_a_history_reply_starting_like_the_generation_prompt_keeps_its_first_label(
+    tokenizer, family, thinking
+):
+    """Qwen's generation prompt ends with think text ("<think>\\n") that a history reply's rendering
+    lacks: a reply starting with "<" (HTML, XML, JSX) still starts at its own first character."""
+    from tests.chat_families import qwen_tokenizer
+
+    tok = tokenizer_for(tokenizer, family) if family == "qwen" else qwen_tokenizer(family)
+    messages = [
+        {"role": "user", "content": "write html"},
+        {"role": "assistant", "content": "<div>hi</div>"},
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": "<p>ok</p>"},
+    ]
+    ids, mask = tokenize_chat(tok, messages, thinking=thinking)
+    assert masked_spans(tok, ids, mask)[0] == "<div>hi</div><|im_end|>"
+
+
 def test_qwen_style_template_multi_turn(tokenizer):
     qwen = with_template(tokenizer, QWEN_STYLE_TEMPLATE)
     ids, mask = tokenize_chat(qwen, CONVERSATION)

@@ -10,7 +10,9 @@ from prefix renderings: for assistant turn i,
 - the history ``render(messages[:i])`` must be a prefix of the full rendering (else the template
   is not prefix-stable and we refuse, since the mask would be a guess);
 - the response starts where ``render(messages[:i], add_generation_prompt=True)`` stops matching
-  the full text (the generation prompt is prompt, not response);
+  the full text (the generation prompt is prompt, not response), and no later than the turn's
+  content (``content_start``: a history turn rendered without the generation prompt's think text
+  may begin with the same characters, a reply starting with ``<`` after ``<think>``);
 - it ends after the turn (``render(messages[:i+1])`` without trailing whitespace) when that is a
   prefix of the full text, otherwise after the template's turn-closing text (e.g. ``<|im_end|>``).
   The second case covers templates such as Qwen3's that render the *last* assistant turn
@@ -220,6 +222,9 @@ def response_start(tokenizer, messages, i: int, full: str, kwargs) -> int:
             f"whole conversation (they differ at character {start}: {full[start : start + 40]!r}), so "
             "the loss mask cannot be derived. Use a template with {% generation %} markers."
         )
+    if start < len(prompt):  # rendered otherwise than its prompt: the match may run into the reply
+        content = content_start(tokenizer, messages, i, full, kwargs)
+        start = start if content is None else min(start, content)
     return start
 
 
