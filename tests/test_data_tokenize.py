@@ -89,6 +89,51 @@ def test_prefix_rendering_matches_generation_markers(tokenizer):
     assert mask_a.tolist() == mask_b.tolist()
 
 
+OPENS_WITH_ASSISTANT = [
+    {"role": "assistant", "content": "hello, how can I help?"},
+    {"role": "user", "content": "what is two plus two?"},
+    {"role": "assistant", "content": "four."},
+]
+
+
+@pytest.mark.parametrize("family", ["markers", "no markers", "smollm2", "llama3", "qwen3"])
+def test_a_conversation_opening_with_an_assistant_message_labels_its_reply_only(tokenizer, family):
+    """No generation prompt can be rendered before an opening assistant message (transformers refuses
+    an empty conversation); what the template writes before its content (the assistant header, a
+    default system prompt) is prompt, as before every other reply."""
+    from tests.chat_families import QWEN_TEMPLATES, family_tokenizer, qwen_tokenizer
+
+    if family in ("markers", "no markers"):
+        tok = tokenizer_for(tokenizer, family)
+    else:
+        tok = qwen_tokenizer(family) if family in QWEN_TEMPLATES else family_tokenizer(family)
+    end_of_turn = {"llama3": "<|eot_id|>"}.get(family, "<|im_end|>")
+    ids, mask = tokenize_chat(tok, OPENS_WITH_ASSISTANT)
+    answered = masked_spans(tok, *tokenize_chat(tok, OPENS_WITH_ASSISTANT[1:]))  # the reply to the user
+    assert masked_spans(tok, ids, mask) == [OPENS_WITH_ASSISTANT[0]["content"] + end_of_turn, *answered]
+
+
+@pytest.mark.parametrize(
+    ("family", "thinking"), [("qwen", False), ("qwen3", False), ("qwen3.5", None), ("qwen3.6", None)]
+)
+def test_a_history_reply_starting_like_the_generation_prompt_keeps_its_first_label(
+    tokenizer, family, thinking
+):
+    """Qwen's generation prompt ends with think text ("<think>\\n") that a history reply's rendering
+    lacks: a reply starting with "<" (HTML, XML, JSX) still starts at its own first character."""
+    from tests.chat_families import qwen_tokenizer
+
+    tok = tokenizer_for(tokenizer, family) if family == "qwen" else qwen_tokenizer(family)
+    messages = [
+        {"role": "user", "content": "write html"},
+        {"role": "assistant", "content": "<div>hi</div>"},
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": "<p>ok</p>"},
+    ]
+    ids, mask = tokenize_chat(tok, messages, thinking=thinking)
+    assert masked_spans(tok, ids, mask)[0] == "<div>hi</div><|im_end|>"
+
+
 def test_qwen_style_template_multi_turn(tokenizer):
     qwen = with_template(tokenizer, QWEN_STYLE_TEMPLATE)
     ids, mask = tokenize_chat(qwen, CONVERSATION)

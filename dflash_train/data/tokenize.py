@@ -10,7 +10,9 @@ from prefix renderings: for assistant turn i,
 - the history ``render(messages[:i])`` must be a prefix of the full rendering (else the template
   is not prefix-stable and we refuse, since the mask would be a guess);
 - the response starts where ``render(messages[:i], add_generation_prompt=True)`` stops matching
-  the full text (the generation prompt is prompt, not response);
+  the full text (the generation prompt is prompt, not response), and no later than the turn's
+  content (``content_start``: a history turn rendered without the generation prompt's think text
+  may begin with the same characters, a reply starting with ``<`` after ``<think>``);
 - it ends after the turn (``render(messages[:i+1])`` without trailing whitespace) when that is a
   prefix of the full text, otherwise after the template's turn-closing text (e.g. ``<|im_end|>``).
   The second case covers templates such as Qwen3's that render the *last* assistant turn
@@ -201,8 +203,16 @@ def assistant_char_spans(tokenizer, messages, kwargs) -> tuple[str, list[tuple[i
 
 
 def response_start(tokenizer, messages, i: int, full: str, kwargs) -> int:
-    if i == 0:
-        return 0
+    if i == 0:  # no generation prompt renders before it: transformers refuses an empty conversation
+        start = content_start(tokenizer, messages, 0, full, kwargs)
+        if start is None:
+            raise BadRowError(
+                "template_error",
+                "the conversation opens with an assistant message and the chat template does not write "
+                "its content verbatim, so where its reply starts cannot be found; start the row with a "
+                "user message",
+            )
+        return start
     history = render(tokenizer, messages[:i], kwargs)
     prompt = render(tokenizer, messages[:i], kwargs, generation_prompt=True)
     start = common_prefix_length(prompt, full)
@@ -212,7 +222,23 @@ def response_start(tokenizer, messages, i: int, full: str, kwargs) -> int:
             f"whole conversation (they differ at character {start}: {full[start : start + 40]!r}), so "
             "the loss mask cannot be derived. Use a template with {% generation %} markers."
         )
+    if start < len(prompt):  # rendered otherwise than its prompt: the match may run into the reply
+        content = content_start(tokenizer, messages, i, full, kwargs)
+        start = start if content is None else min(start, content)
     return start
+
+
+def content_start(tokenizer, messages, i: int, full: str, kwargs) -> int | None:
+    """Where assistant message ``i``'s content starts in ``full`` at the latest: where ``full`` parts
+    from the same conversation rendered with a sentinel as that content (the header and whatever the
+    template writes before the content are before it). None when the template does not write the
+    sentinel (it transforms content)."""
+    probe = render(
+        tokenizer, [*messages[:i], {**messages[i], "content": SENTINEL}, *messages[i + 1 :]], kwargs
+    )
+    if SENTINEL not in probe:
+        return None
+    return common_prefix_length(probe.split(SENTINEL, 1)[0], full)
 
 
 def response_end(tokenizer, messages, i: int, full: str, start: int, closing: str, kwargs) -> int:
