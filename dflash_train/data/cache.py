@@ -48,7 +48,10 @@ from dflash_train.data.tokenize import check_tokenizer
 # (cut_replies.npy); a cache of version 2 labelled it.
 # 4: a reply may store its prompt as what it adds to the previous reply's (data.stored_prompts); a
 # cache of version 3 counted such rows as malformed_token_ids.
-CACHE_VERSION = 4
+# 5: a reply's label starts no later than its content (data/tokenize.py ``content_start``); a cache
+# of version 4 labelled the prompt of a row opening with an assistant message, and dropped the first
+# label of a history reply starting with the generation prompt's first characters.
+CACHE_VERSION = 5
 # id_sources.npy codes: replies tokenized from text; from stored ids; from stored ids in a row whose
 # regen.round_trip says the text would have tokenized to other ids.
 ID_FROM_TEXT, ID_STORED, ID_STORED_NOT_ROUND_TRIP = 0, 1, 2
