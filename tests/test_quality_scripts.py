@@ -410,3 +410,19 @@ def torch_rows(rows):
     import torch
 
     return torch.tensor(rows)
+
+
+def test_lookup_variants_periodic_copy_follows_a_short_loop_the_evals_ngram_pads():
+    """scripts/lookup_variants_cpu.py: ``recent`` is the eval's ``ngram`` round for round; in a loop
+    of period 2 it copies two tokens and pads, while the overlapping copy drafts whole blocks."""
+    spec = importlib.util.spec_from_file_location("lookup_variants_cpu", SCRIPTS / "lookup_variants_cpu.py")
+    variants = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(variants)
+    from dflash_train.eval.simulate import simulate_ngram
+
+    prompt, reply = [5, 6, 7, 8], [*[30, 31] * 40, 2]
+    taus = variants.lookup_taus(prompt, reply, {2}, n=3, block_size=8, limit=64)
+    evals = simulate_ngram(prompt, reply, n=3, block_size=8, max_new_tokens=64, eos_token_ids={2})
+    assert taus["recent"] == evals.tau
+    assert taus["recent"] < 3.5 and taus["periodic"] > 6  # ~2 (+1) per round against 7 (+1)
+    assert taus["earliest"] > taus["recent"]  # the loop's first occurrence has the most after it
