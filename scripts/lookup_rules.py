@@ -15,6 +15,12 @@ blocks (``eval/exact.py``'s ``draft_all``, one block per candidate anchor); the 
 - ``lookup-first+ext``, ``agree1+ext``: the same rules with the drafter's block so extended
 - ``oracle``: the better of the lookup's draft and the drafter's block, as verifying both as two
   branches of one tree would take (its drafted tokens: both); the bound of any rule that picks one
+- ``lookup-overlap``, ``lookup-overlap-first``: ``lookup`` and ``lookup-first`` with the lookup's
+  draft copied on past the end of the text to ``--max-draft`` tokens (an overlapping copy: in a loop
+  of period p, token k is the one p back; llama.cpp stops at the text's end, p - 1 tokens)
+- ``ngram``, ``ngram-overlap``: the eval's own baseline (``NgramProposer``, n = 3: the most recent
+  match, B - 1 tokens padded with the last one) and the same match copied on instead of padded
+  (scripts/lookup_variants_cpu.py measures the two on regenerated rows without a drafter)
 
     python3 scripts/lookup_rules.py --target DIR --drafter EXPORT --prompts a.jsonl b.jsonl \\
         --num-prompts 24 --cache drafts.pt       # the drafts are kept; a rerun only simulates
@@ -23,19 +29,24 @@ blocks (``eval/exact.py``'s ``draft_all``, one block per candidate anchor); the 
 from __future__ import annotations
 
 import argparse
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-from dflash_train.eval.command import check_drafter_fits, load_eval_drafter, load_eval_target
-from dflash_train.eval.exact import draft_all, drafter_config
-from dflash_train.eval.generate import greedy_continuations, pad_token_for
-from dflash_train.eval.ngram_simple import NgramSimpleIndex, ngram_simple_draft
-from dflash_train.eval.prompts import load_prompt_file
-from dflash_train.eval.runner import default_eos_ids
-from dflash_train.eval.simulate import matched_prefix, simulate_rounds
-from dflash_train.models.variant import drafted_tokens
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from lookup_variants_cpu import LookupRules, copied_on  # noqa: E402
+
+from dflash_train.eval.command import check_drafter_fits, load_eval_drafter, load_eval_target  # noqa: E402
+from dflash_train.eval.exact import draft_all, drafter_config  # noqa: E402
+from dflash_train.eval.generate import greedy_continuations, pad_token_for  # noqa: E402
+from dflash_train.eval.ngram_simple import NgramSimpleIndex, ngram_simple_draft  # noqa: E402
+from dflash_train.eval.prompts import load_prompt_file  # noqa: E402
+from dflash_train.eval.runner import default_eos_ids  # noqa: E402
+from dflash_train.eval.simulate import matched_prefix, simulate_rounds  # noqa: E402
+from dflash_train.models.variant import drafted_tokens  # noqa: E402
 
 RULES = (
     "lookup",
@@ -47,7 +58,12 @@ RULES = (
     "lookup-first+ext",
     "agree1+ext",
     "oracle",
+    "lookup-overlap",
+    "lookup-overlap-first",
+    "ngram",
+    "ngram-overlap",
 )
+NGRAM_N = 3  # the eval's --ngram-n default
 
 
 def drafts_for(args) -> dict:
@@ -85,6 +101,7 @@ def simulate(rule: str, prompt, continuation, drafts, *, eos, block_size, key, m
     """One request under ``rule``: its ``Generation`` (rounds drafted and accepted)."""
     sequence = [*prompt, *continuation]
     index = NgramSimpleIndex(sequence, key, max_draft)
+    ngram = LookupRules(sequence, NGRAM_N)
 
     def accept(out: int, max_drafts: int) -> tuple[int, int]:
         block = drafted_tokens(drafts[out - 1].tolist()[: block_size - 1])
@@ -101,6 +118,10 @@ def simulate(rule: str, prompt, continuation, drafts, *, eos, block_size, key, m
         def both(first, second):  # two branches of one tree: both verified, the longer accepted
             return first[0] + second[0], max(first[1], second[1])
 
+        def lookup_copied_on():  # ngram-simple's match, its copy continued past the text's end
+            start = index.match(len(prompt) + out)
+            return [] if start is None else copied_on(sequence, len(prompt) + out, start + key, max_draft)
+
         agrees = {n: bool(lookup) and lookup[:n] == block[:n] for n in (1, 2)}
         choices = {
             "lookup": lambda: verified(lookup) if lookup else (0, 0),
@@ -112,6 +133,10 @@ def simulate(rule: str, prompt, continuation, drafts, *, eos, block_size, key, m
             "lookup-first+ext": lambda: verified(lookup or extended(block)),
             "agree1+ext": lambda: verified(lookup if agrees[1] else extended(block)),
             "oracle": lambda: both(verified(lookup), verified(block)),
+            "lookup-overlap": lambda: verified(lookup_copied_on()) if lookup else (0, 0),
+            "lookup-overlap-first": lambda: verified(lookup_copied_on() if lookup else block),
+            "ngram": lambda: verified(ngram.draft("recent", len(prompt) + out, block_size)),
+            "ngram-overlap": lambda: verified(ngram.draft("periodic", len(prompt) + out, block_size)),
         }
         return choices[rule]()
 

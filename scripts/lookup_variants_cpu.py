@@ -60,10 +60,17 @@ class LookupRules(NgramIndex):
             return [self.ids[length - 1]] * (block_size - 1)
         if rule == "earliest":
             return padded_block(self.ids[src:length][: block_size - 1], block_size)
-        text = self.ids[:length]
-        for k in range(block_size - 1):
-            text.append(text[src + k])  # reads tokens this loop itself appended once k >= length - src
-        return text[length:]
+        return copied_on(self.ids, length, src, block_size - 1)
+
+
+def copied_on(ids: Sequence[int], length: int, source: int, count: int) -> list[int]:
+    """``count`` tokens copied from ``ids[source:]`` as continuing ``ids[:length]``: past the end the
+    copy reads what it has itself appended (an overlapping copy; in a loop of period p, token k is
+    the one p back)."""
+    text = list(ids[:length])
+    for k in range(count):
+        text.append(text[source + k])
+    return text[length:]
 
 
 def lookup_taus(

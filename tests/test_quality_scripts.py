@@ -368,7 +368,7 @@ def test_lookup_rules_lookup_first_is_the_evals_ngram_then_dflash():
     spec = importlib.util.spec_from_file_location("lookup_rules", SCRIPTS / "lookup_rules.py")
     rules = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(rules)
-    from dflash_train.eval.simulate import simulate_ngram_then_dflash
+    from dflash_train.eval.simulate import simulate_ngram, simulate_ngram_then_dflash
 
     span = list(range(10, 40))
     prompt, continuation = [3, *span, 4, 5], [6, 7, *span, 8, 9, 2]
@@ -398,12 +398,46 @@ def test_lookup_rules_lookup_first_is_the_evals_ngram_then_dflash():
     assert run["lookup-first"].num_accepted == evals.num_accepted
     assert run["lookup"].tau > 1 and run["dflash"].tau < run["lookup-first"].tau
     assert run["oracle"].tau >= max(run["lookup"].tau, run["dflash"].tau, run["lookup-first"].tau)
+    ngram = simulate_ngram(
+        prompt, continuation, n=3, block_size=block_size, max_new_tokens=64, eos_token_ids={2}
+    )
+    assert run["ngram"].num_accepted == ngram.num_accepted  # the eval's own baseline, round for round
     wrong = torch_rows([[1] * (block_size - 1)] * 39)
     agree = rules.simulate(
         "agree1", prompt, continuation, wrong, eos={2}, block_size=block_size, key=key,
         max_draft=max_draft, max_new_tokens=64,
     )  # fmt: skip
     assert agree.num_accepted == [0] * len(agree.num_accepted)
+
+
+def test_lookup_rules_overlapping_copy_drafts_a_loop_past_the_texts_end():
+    """In a loop of period 5 llama.cpp's lookup (key 3) copies the 4 tokens the text holds after the
+    match; copied on, the same match drafts up to the draft limit and is accepted as far."""
+    spec = importlib.util.spec_from_file_location("lookup_rules", SCRIPTS / "lookup_rules.py")
+    rules = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rules)
+    prompt, continuation = [3, 4, 5, 6, 7, 8, 9], [*[20, 21, 22, 23, 24] * 30, 2]
+    block_size, max_draft = 8, 24
+    drafts = torch_rows([[1] * (block_size - 1)] * len(continuation))  # a drafter that is never right
+    run = {
+        rule: rules.simulate(
+            rule,
+            prompt,
+            continuation,
+            drafts,
+            eos={2},
+            block_size=block_size,
+            key=3,
+            max_draft=max_draft,
+            max_new_tokens=128,
+        )  # fmt: skip
+        for rule in ("lookup", "lookup-overlap", "lookup-overlap-first", "ngram", "ngram-overlap")
+    }
+    copied = [a for a, d in zip(run["lookup"].num_accepted, run["lookup"].num_drafted, strict=True) if d]
+    assert copied and max(copied) == 4  # the text after the latest match, never more
+    assert max(run["lookup-overlap"].num_accepted) == max_draft
+    assert run["lookup-overlap-first"].tau >= run["lookup-overlap"].tau > 1.5 * run["lookup"].tau
+    assert run["ngram-overlap"].tau > run["ngram"].tau
 
 
 def torch_rows(rows):

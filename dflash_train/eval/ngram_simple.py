@@ -85,6 +85,14 @@ class NgramSimpleIndex:
 
     def draft(self, length: int) -> list[int]:
         """The draft for ``ids[:length]`` (empty when the rule proposes nothing)."""
+        start = self.match(length)
+        if start is None:
+            return []
+        copy = start + self.key_size
+        return self.ids[copy : copy + min(self.max_draft, length - 1 - copy)]
+
+    def match(self, length: int) -> int | None:
+        """Where the key's occurrence that ``draft`` copies after starts (None: no draft)."""
         assert length >= self.asked, "NgramSimpleIndex only grows: ask increasing lengths"
         self.asked = length
         n, history = self.key_size, length - 1
@@ -92,9 +100,8 @@ class NgramSimpleIndex:
             self.latest[tuple(self.ids[start : start + n])] = start
         self.next_start = max(self.next_start, length - n - 1)
         if history <= n + self.max_draft + 1:
-            return []
+            return None
         start = self.latest.get(tuple(self.ids[length - n : length]))
-        if start is None:
-            return []
-        count = min(self.max_draft, history - start - n)
-        return self.ids[start + n : start + n + count] if count >= n else []
+        if start is None or min(self.max_draft, history - start - n) < n:
+            return None
+        return start
