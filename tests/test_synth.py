@@ -196,9 +196,19 @@ def test_synth_two_turns_alternate(chatty_dir, tmp_path):
     out = tmp_path / "t.jsonl"
     result = run_synth(options(chatty_dir, out, num_rows=2, turns=2, system="Be kind.", max_samples=400))
     rows = read_rows(out)
-    assert result["rows"] == 2 and result["filtered"]["reply_hit_token_limit"] > 0
+    assert result["rows"] == 2 and result["samples_drawn"] == 2 + sum(result["filtered"].values())
     assert all([m["role"] for m in r["messages"]] == ["system", "user", "assistant", "user"] for r in rows)
     assert all(r["messages"][0]["content"] == "Be kind." and r["synth"]["turns"] == 2 for r in rows)
+
+
+def test_synth_counts_a_reply_between_turns_that_hits_its_token_limit(chatty_dir, tmp_path):
+    """One reply token is never a whole reply ("ok." and its end of turn): every sample whose first
+    turn passes is dropped at its reply, counted, and none is kept."""
+    result = run_synth(
+        options(chatty_dir, tmp_path / "t.jsonl", num_rows=2, turns=2, max_reply_tokens=1, max_samples=40)
+    )
+    assert result["rows"] == 0 and result["filtered"]["reply_hit_token_limit"] > 0
+    assert result["samples_drawn"] == sum(result["filtered"].values())
 
 
 def test_synth_on_a_padless_llama3_target_counts_every_sample(tmp_path):
