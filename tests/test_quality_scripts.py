@@ -16,12 +16,17 @@ SCRIPTS = Path(__file__).parents[1] / "scripts"
 def scale():
     sys.path.insert(0, str(SCRIPTS))
     try:
-        spec = importlib.util.spec_from_file_location("gpu_data_scale", SCRIPTS / "gpu_data_scale.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
+        yield script("gpu_data_scale")
     finally:
         sys.path.remove(str(SCRIPTS))
+
+
+def script(name: str):
+    """scripts/NAME.py as a module."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def scale_args(tmp_path, **overrides):
@@ -365,9 +370,7 @@ def test_lookup_rules_lookup_first_is_the_evals_ngram_then_dflash():
     """scripts/lookup_rules.py's rules on one request whose reply repeats a span of its prompt:
     ``lookup-first`` gives the eval's own ``ngram+dflash`` rounds, the oracle is never below either
     proposal alone, and a drafter that never agrees keeps ``agree1`` on the drafter's blocks."""
-    spec = importlib.util.spec_from_file_location("lookup_rules", SCRIPTS / "lookup_rules.py")
-    rules = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rules)
+    rules = script("lookup_rules")
     from dflash_train.eval.simulate import simulate_ngram, simulate_ngram_then_dflash
 
     span = list(range(10, 40))
@@ -377,20 +380,7 @@ def test_lookup_rules_lookup_first_is_the_evals_ngram_then_dflash():
     # the drafter is right on its first two tokens at every anchor, wrong after them
     right = [sequence[len(prompt) + out : len(prompt) + out + 2] for out in range(1, 40)]
     drafts = torch_rows([[*r, *[1] * (block_size - 1 - len(r))] for r in right])
-    run = {
-        rule: rules.simulate(
-            rule,
-            prompt,
-            continuation,
-            drafts,
-            eos={2},
-            block_size=block_size,
-            key=key,
-            max_draft=max_draft,
-            max_new_tokens=64,
-        )  # fmt: skip
-        for rule in rules.RULES
-    }
+    run = rule_runs(rules, rules.RULES, prompt, continuation, drafts, block_size, key, max_draft, 64)
     evals = simulate_ngram_then_dflash(
         prompt, continuation, lambda out: drafts[out - 1].tolist(), key_size=key,
         block_size=block_size, max_new_tokens=64, eos_token_ids={2}, max_draft=max_draft,
@@ -413,13 +403,22 @@ def test_lookup_rules_lookup_first_is_the_evals_ngram_then_dflash():
 def test_lookup_rules_overlapping_copy_drafts_a_loop_past_the_texts_end():
     """In a loop of period 5 llama.cpp's lookup (key 3) copies the 4 tokens the text holds after the
     match; copied on, the same match drafts up to the draft limit and is accepted as far."""
-    spec = importlib.util.spec_from_file_location("lookup_rules", SCRIPTS / "lookup_rules.py")
-    rules = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(rules)
+    rules = script("lookup_rules")
     prompt, continuation = [3, 4, 5, 6, 7, 8, 9], [*[20, 21, 22, 23, 24] * 30, 2]
     block_size, max_draft = 8, 24
     drafts = torch_rows([[1] * (block_size - 1)] * len(continuation))  # a drafter that is never right
-    run = {
+    chosen = ("lookup", "lookup-overlap", "lookup-overlap-first", "ngram", "ngram-overlap")
+    run = rule_runs(rules, chosen, prompt, continuation, drafts, block_size, 3, max_draft, 128)
+    copied = [a for a, d in zip(run["lookup"].num_accepted, run["lookup"].num_drafted, strict=True) if d]
+    assert copied and max(copied) == 4  # the text after the latest match, never more
+    assert max(run["lookup-overlap"].num_accepted) == max_draft
+    assert run["lookup-overlap-first"].tau >= run["lookup-overlap"].tau > 1.5 * run["lookup"].tau
+    assert run["ngram-overlap"].tau > run["ngram"].tau
+
+
+def rule_runs(rules, names, prompt, continuation, drafts, block_size, key, max_draft, max_new_tokens):
+    """scripts/lookup_rules.py's ``simulate`` of one request under each rule in ``names`` (EOS 2)."""
+    return {
         rule: rules.simulate(
             rule,
             prompt,
@@ -427,17 +426,12 @@ def test_lookup_rules_overlapping_copy_drafts_a_loop_past_the_texts_end():
             drafts,
             eos={2},
             block_size=block_size,
-            key=3,
+            key=key,
             max_draft=max_draft,
-            max_new_tokens=128,
+            max_new_tokens=max_new_tokens,
         )  # fmt: skip
-        for rule in ("lookup", "lookup-overlap", "lookup-overlap-first", "ngram", "ngram-overlap")
+        for rule in names
     }
-    copied = [a for a, d in zip(run["lookup"].num_accepted, run["lookup"].num_drafted, strict=True) if d]
-    assert copied and max(copied) == 4  # the text after the latest match, never more
-    assert max(run["lookup-overlap"].num_accepted) == max_draft
-    assert run["lookup-overlap-first"].tau >= run["lookup-overlap"].tau > 1.5 * run["lookup"].tau
-    assert run["ngram-overlap"].tau > run["ngram"].tau
 
 
 def torch_rows(rows):
@@ -449,9 +443,7 @@ def torch_rows(rows):
 def test_lookup_variants_periodic_copy_follows_a_short_loop_the_evals_ngram_pads():
     """scripts/lookup_variants_cpu.py: ``recent`` is the eval's ``ngram`` round for round; in a loop
     of period 2 it copies two tokens and pads, while the overlapping copy drafts whole blocks."""
-    spec = importlib.util.spec_from_file_location("lookup_variants_cpu", SCRIPTS / "lookup_variants_cpu.py")
-    variants = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(variants)
+    variants = script("lookup_variants_cpu")
     from dflash_train.eval.simulate import simulate_ngram
 
     prompt, reply = [5, 6, 7, 8], [*[30, 31] * 40, 2]
