@@ -29,7 +29,7 @@ RULES = ("recent", "periodic", "earliest")
 
 
 class LookupRules(NgramIndex):
-    """The eval's most-recent-match index, plus the earliest match of every n-gram."""
+    """The eval's most-recent-match index, plus the earliest start of every n-gram (``first``)."""
 
     def __init__(self, ids: Sequence[int], n: int):
         super().__init__(ids, n)
@@ -42,20 +42,11 @@ class LookupRules(NgramIndex):
                     self.first[size].setdefault(tuple(self.ids[stop - size : stop]), stop - size)
         super()._index_until(end)
 
-    def source(self, length: int, table: list[dict[tuple[int, ...], int]]) -> int | None:
-        """Where the copy starts: after the match of the longest recurring suffix (None: no match)."""
-        self._index_until(length - 1)
-        for size in range(min(self.n, length - 1), 0, -1):
-            start = table[size].get(tuple(self.ids[length - size : length]))
-            if start is not None:
-                return start + size
-        return None
-
     def draft(self, rule: str, length: int, block_size: int) -> list[int]:
         """B-1 draft tokens for ``ids[:length]`` by ``rule``."""
         if rule == "recent":
             return self.propose(length, block_size)
-        src = self.source(length, self.latest if rule == "periodic" else self.first)
+        src = self.source(length, self.first if rule == "earliest" else None)
         if src is None:
             return [self.ids[length - 1]] * (block_size - 1)
         if rule == "earliest":

@@ -143,12 +143,18 @@ class NgramIndex:
     def lookup(self, length: int, max_tokens: int) -> list[int]:
         """The continuation the proposer finds for ``ids[:length]`` (empty if no match): what followed
         the most recent earlier occurrence of its longest recurring suffix of n .. 1 tokens."""
+        source = self.source(length)
+        return [] if source is None else self.ids[source : min(source + max_tokens, length)]
+
+    def source(self, length: int, starts: list[dict[tuple[int, ...], int]] | None = None) -> int | None:
+        """Where that continuation starts in ``ids`` (None: no match); ``starts`` (size -> n-gram ->
+        start, default the latest) picks which earlier occurrence."""
         self._index_until(length - 1)
         for size in range(min(self.n, length - 1), 0, -1):
-            start = self.latest[size].get(tuple(self.ids[length - size : length]))
+            start = (starts or self.latest)[size].get(tuple(self.ids[length - size : length]))
             if start is not None:
-                return self.ids[start + size : min(start + size + max_tokens, length)]
-        return []
+                return start + size
+        return None
 
     def _index_until(self, end: int) -> None:
         assert end >= self.indexed, "NgramIndex only grows: look up increasing lengths"
