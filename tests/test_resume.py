@@ -191,12 +191,48 @@ def test_a_resume_from_a_named_checkpoint_sets_the_abandoned_later_ones_aside(ta
     assert train(tiny_config(task, out, "checkpoint.keep_last=3", resume), hooks)["step"] == 6
     log = capsys.readouterr().out
     assert "moved the abandoned run's later checkpoints step-00000008, step-00000012 to" in log
+    # The same command would go back to step 4 again and set step 6 aside: the advice is resume=auto.
+    assert "run the command again with checkpoint.resume=auto to continue from this checkpoint" in log
+    assert "run the same command again" not in log
     assert [p.name for p in ckpt.committed_checkpoints(out)] == ["step-00000004", "step-00000006"]
     (aside,) = ckpt.checkpoints_root(out).glob("abandoned-*")
     assert sorted(p.name for p in aside.iterdir()) == ["step-00000008", "step-00000012"]
     executed = []
     train(tiny_config(task, out, "checkpoint.keep_last=3"), step_recorder(executed))
     assert executed == list(range(7, 13))  # resume: auto continued the new run, not step 12
+
+
+def test_a_stopped_or_failed_run_started_with_resume_never_is_told_to_continue_with_resume_auto(
+    task, tmp_path, capsys, monkeypatch
+):
+    """``checkpoint.resume=never`` sets every checkpoint aside and starts over: running that same
+    command again after a SIGTERM (or a failed export) would throw the steps this process trained
+    away. The advice names ``checkpoint.resume=auto``, and following it continues the run."""
+    out = tmp_path / "run"
+    stopped = train_stopped_by_sigterm(tiny_config(task, out, "checkpoint.resume=never"), during_step=6)
+    assert (stopped["step"], stopped["finished"]) == (6, False)
+    told = capsys.readouterr().out
+    assert "run the command again with checkpoint.resume=auto to continue from this checkpoint" in told
+    assert "checkpoint.resume=never would start over" in told
+    assert "run the same command again" not in told
+    from dflash_train.train import run as run_module
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(run_module, "write_export", full_disk)
+    executed = []
+    with pytest.raises(RuntimeError, match="writing the export of step 12 failed") as failed:
+        train(tiny_config(task, out), step_recorder(executed))
+    assert executed == list(range(7, 13))  # resume=auto continued the run
+    assert "run the same command again" in str(failed.value)  # that command was resume=auto
+    executed = []
+    with pytest.raises(RuntimeError, match="writing the export of step 12 failed") as failed:
+        checkpoint = ckpt.step_folder(out, 12)
+        train(tiny_config(task, out, f"checkpoint.resume={checkpoint}"), step_recorder(executed))
+    assert executed == []
+    assert "run the command again with checkpoint.resume=auto to write the export" in str(failed.value)
+    assert "run the same command again" not in str(failed.value)
 
 
 # ----------------------------------------------------------------------------- refused resumes

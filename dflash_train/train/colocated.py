@@ -121,7 +121,8 @@ def train_loop(
                 if stopping:
                     sitting.stopped = sitting.stopped or ("signal" if stop.requested else "another_rank")
                     owed = run.owed_eval_step is not None
-                    log_main(stop_message(sitting.stopped, saved, run.step, run.total_steps, owed))
+                    resume = run.cfg.checkpoint.resume
+                    log_main(stop_message(sitting.stopped, saved, run.step, run.total_steps, owed, resume))
                     break
                 sitting.end_step()
     settle_saves(run)  # the last save's failure, if any, stops every rank here, before the export

@@ -54,6 +54,7 @@ from dflash_train.models.serving import LOOKUP_MAX_DRAFT
 from dflash_train.train.faults import any_rank_error, raise_if_any_rank_failed
 from dflash_train.train.logging import log_main
 from dflash_train.train.parallel import unwrap, uses_fsdp
+from dflash_train.train.sitting import continue_advice
 
 BEST_DIR = "export-best"
 BEST_RECORD = "eval.json"
@@ -221,7 +222,8 @@ def share_export_best_outcome(run, error: BaseException | None) -> None:
     if message is not None:
         raise RuntimeError(
             f"eval: writing export-best of step {run.step} failed on rank 0: {message}; free space in "
-            f"{run.cfg.output_dir} (or fix what the error names) and run the same command again to resume"
+            f"{run.cfg.output_dir} (or fix what the error names) and "
+            f"{continue_advice(run.cfg.checkpoint.resume, 'to resume')}"
         ) from error
 
 
@@ -236,7 +238,7 @@ def share_local_outcome(run, error: BaseException | None, what: str) -> None:
         lambda rank, message: (
             f"eval: {what} failed on rank {rank}: {message}; if it ran out of memory, lower eval.batch_size "
             "(the continuations) or eval.drafter_batch_tokens (the evaluation), otherwise fix what the "
-            "error names; then run the same command again to resume"
+            f"error names; then {continue_advice(run.cfg.checkpoint.resume, 'to resume')}"
         ),
     )
 
@@ -286,8 +288,8 @@ def drafter_state(run) -> dict[str, torch.Tensor]:
             f"on rank {group_rank_and_size(run)[0]}: {type(err).__name__}: {err}; the other ranks stop when they "
             "find this one gone (such a rank names its peer's exit: the cause is the rank that names another). "
             "If it ran out of memory, the full drafter did not fit beside training: lower "
-            "data.token_budget (or train without eval.prompts); otherwise fix what the error names; then run "
-            "the same command again to resume"
+            "data.token_budget (or train without eval.prompts); otherwise fix what the error names; then "
+            f"{continue_advice(run.cfg.checkpoint.resume, 'to resume')}"
         ) from err
 
 

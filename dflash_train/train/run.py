@@ -463,7 +463,9 @@ def export_final(run: Run) -> Path:
 
     A write that fails (a full disk) raises the same ``RuntimeError`` on every rank of the group,
     which would otherwise wait for rank 0 at the barrier after it; the last checkpoint is committed,
-    so the same command writes the export once the cause is fixed."""
+    so a resume from it writes the export once the cause is fixed."""
+    from dflash_train.train.sitting import continue_advice
+
     state = full_model_state(run.model, group=run.group)
     out = Path(run.cfg.output_dir) / "export"
     error = attempt(lambda: write_export(run, state, out)) if run.info.is_main else None
@@ -471,8 +473,8 @@ def export_final(run: Run) -> Path:
     if message is not None:
         raise RuntimeError(
             f"writing the export of step {run.step} failed on rank 0: {message}; the checkpoint of step "
-            f"{run.step} is committed: fix the cause (free space in {out.parent}) and run the same command "
-            "again to write the export"
+            f"{run.step} is committed: fix the cause (free space in {out.parent}) and "
+            f"{continue_advice(run.cfg.checkpoint.resume, 'to write the export')}"
         ) from error
     return out
 

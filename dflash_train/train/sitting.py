@@ -196,10 +196,13 @@ def append_sitting(output_dir: str | Path, row: dict[str, Any]) -> None:
         fh.write(json.dumps({"sitting": number, **row}) + "\n")
 
 
-def stop_message(reason: str, saved: Path | None, step: int, total: int, owed_eval: bool = False) -> str:
+def stop_message(
+    reason: str, saved: Path | None, step: int, total: int, owed_eval: bool = False, resume: str = "auto"
+) -> str:
     """What a sitting that was asked to stop prints (``owed_eval``: it stopped on a held-out
-    evaluation step, whose evaluation the next process runs first). Asked during the last step with
-    no evaluation owed, the run is finished (``Run.finished``): it exports and nothing is left to run."""
+    evaluation step, whose evaluation the next process runs first; ``resume``: the run's
+    ``checkpoint.resume``, ``continue_advice``). Asked during the last step with no evaluation owed,
+    the run is finished (``Run.finished``): it exports and nothing is left to run."""
     why = {
         "time_limit": "train.time_limit_s reached",
         "steps_per_process": "train.steps_per_process reached",
@@ -209,7 +212,20 @@ def stop_message(reason: str, saved: Path | None, step: int, total: int, owed_ev
     if step >= total and not owed_eval:
         return f"{why} during the last step: saved {saved} at step {step} of {total}; the run is finished"
     owed = f"; the held-out evaluation of step {step} runs first" if owed_eval else ""
+    advice = continue_advice(resume, "to continue from this checkpoint")
+    return f"{why}: saved {saved} at step {step} of {total}; the run is not finished: {advice}{owed}"
+
+
+def continue_advice(resume: str, purpose: str) -> str:
+    """How to go on from the run's newest checkpoint (``purpose``: "to continue from this checkpoint",
+    ...), given the ``checkpoint.resume`` of the command that ran. With ``auto`` it is the same command;
+    a command that names ``never`` (it starts over) or a checkpoint (it goes back to that one) would
+    set aside the checkpoints this process wrote and train their steps again, so the advice names
+    ``checkpoint.resume=auto`` instead."""
+    if resume == "auto":
+        return f"run the same command again {purpose} (checkpoint.resume: auto)"
+    would = "start over" if resume == "never" else "go back to that checkpoint"
     return (
-        f"{why}: saved {saved} at step {step} of {total}; the run is not finished: run the same command "
-        f"again to continue from this checkpoint (checkpoint.resume: auto{owed})"
+        f"run the command again with checkpoint.resume=auto {purpose} (this command's "
+        f"checkpoint.resume={resume} would {would}, setting the newer checkpoints aside)"
     )
