@@ -226,7 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-prompts", type=int, default=0, help="use only the first N prompts of each file (0 = all)"
     )
     p.add_argument("--thinking", choices=["on", "off", "default"], default="default")
-    p.add_argument("--baseline", choices=["none", "ngram"], default="none")
+    p.add_argument(
+        "--baseline",
+        choices=["none", "ngram"],
+        default="none",
+        help="ngram: also report prompt lookup (the method ngram; in exact mode also ngram-overlap, its "
+        "copy continued past the text's end, and ngram+dflash)",
+    )
     p.add_argument("--ngram-n", type=int, default=3)
     p.add_argument(
         "--ngram-min-match",

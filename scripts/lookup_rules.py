@@ -19,8 +19,9 @@ blocks (``eval/exact.py``'s ``draft_all``, one block per candidate anchor); the 
   draft copied on past the end of the text to ``--max-draft`` tokens (an overlapping copy: in a loop
   of period p, token k is the one p back; llama.cpp stops at the text's end, p - 1 tokens)
 - ``ngram``, ``ngram-overlap``: the eval's own baseline (``NgramProposer``, n = 3: the most recent
-  match, B - 1 tokens padded with the last one) and the same match copied on instead of padded
-  (scripts/lookup_variants_cpu.py measures the two on regenerated rows without a drafter)
+  match, B - 1 tokens padded with the last one) and the same match copied on instead of padded (the
+  eval's ``ngram-overlap``; scripts/lookup_variants_cpu.py measures the two on regenerated rows
+  without a drafter)
 
     python3 scripts/lookup_rules.py --target DIR --drafter EXPORT --prompts a.jsonl b.jsonl \\
         --num-prompts 24 --cache drafts.pt       # the drafts are kept; a rerun only simulates
@@ -37,7 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from lookup_variants_cpu import LookupRules, copied_on  # noqa: E402
+from lookup_variants_cpu import LookupRules  # noqa: E402
 
 from dflash_train.eval.command import check_drafter_fits, load_eval_drafter, load_eval_target  # noqa: E402
 from dflash_train.eval.exact import draft_all, drafter_config  # noqa: E402
@@ -45,7 +46,7 @@ from dflash_train.eval.generate import greedy_continuations, pad_token_for  # no
 from dflash_train.eval.ngram_simple import NgramSimpleIndex, ngram_simple_draft  # noqa: E402
 from dflash_train.eval.prompts import load_prompt_file  # noqa: E402
 from dflash_train.eval.runner import default_eos_ids  # noqa: E402
-from dflash_train.eval.simulate import matched_prefix, simulate_rounds  # noqa: E402
+from dflash_train.eval.simulate import copied_on, matched_prefix, simulate_rounds  # noqa: E402
 from dflash_train.models.variant import drafted_tokens  # noqa: E402
 
 RULES = (

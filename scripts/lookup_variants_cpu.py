@@ -4,7 +4,7 @@ The eval's ``ngram`` (``NgramProposer``) copies what followed the most recent ea
 last n tokens and pads the block with the last copied token; inside a loop of period p < B-1 that
 match lies p tokens back, so it copies p tokens and pads. Two other rules on the same matches:
 ``periodic`` copies on past the end of the text, each token p back (an overlapping copy, as the loop
-continues), and ``earliest`` copies after the first occurrence instead of the latest. Each is
+continues: the eval's method ``ngram-overlap``, ``NgramIndex.propose_copied_on``), and ``earliest`` copies after the first occurrence instead of the latest. Each is
 simulated over regenerated rows (the target's greedy replies, re-tokenized; one-turn rows, a spread
 sample) with the eval's round bookkeeping (``eval/simulate.py``), block 16, at most 512 reply tokens.
 
@@ -46,22 +46,12 @@ class LookupRules(NgramIndex):
         """B-1 draft tokens for ``ids[:length]`` by ``rule``."""
         if rule == "recent":
             return self.propose(length, block_size)
-        src = self.source(length, self.first if rule == "earliest" else None)
+        if rule == "periodic":
+            return self.propose_copied_on(length, block_size)
+        src = self.source(length, self.first)
         if src is None:
             return [self.ids[length - 1]] * (block_size - 1)
-        if rule == "earliest":
-            return padded_block(self.ids[src:length][: block_size - 1], block_size)
-        return copied_on(self.ids, length, src, block_size - 1)
-
-
-def copied_on(ids: Sequence[int], length: int, source: int, count: int) -> list[int]:
-    """``count`` tokens copied from ``ids[source:]`` as continuing ``ids[:length]``: past the end the
-    copy reads what it has itself appended (an overlapping copy; in a loop of period p, token k is
-    the one p back)."""
-    text = list(ids[:length])
-    for k in range(count):
-        text.append(text[source + k])
-    return text[length:]
+        return padded_block(self.ids[src:length][: block_size - 1], block_size)
 
 
 def lookup_taus(

@@ -557,7 +557,7 @@ def test_eval_command_reports_the_diagnosis_and_the_combination(tiny_qwen3_dir, 
     notes = (tmp_path / "drafter" / "SERVING.md").read_text()
     assert f"{result['ngram_dflash_tau']:.3f} with ngram-simple first" in notes
     assert "--spec-ngram-simple-size-n 2 --spec-ngram-simple-size-m 5" in notes
-    assert list(result["methods"]) == ["dflash", "ngram", "ngram+dflash"]
+    assert list(result["methods"]) == ["dflash", "ngram", "ngram-overlap", "ngram+dflash"]
     assert result["ngram_dflash_tau"] == result["methods"]["ngram+dflash"]["tau"]
     assert result["ngram_min_match"] == 2 and result["ngram_n"] == 3 and result["ngram_max_draft"] == 5
     diagnosis = result["diagnosis"]

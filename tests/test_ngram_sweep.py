@@ -1,6 +1,8 @@
 """The key-size sweep of ``ngram+dflash`` (``--ngram-min-match 1,2,3``): each further key size K is
 the method ``ngram+dflash@K``, equal to what a separate eval with that one key size reports; one
 key size leaves the eval's output as it was; the option is refused where it would measure nothing.
+The exact-only lookup methods beside the baseline (``ngram-simple``, ``ngram-overlap``) are checked
+round for round against direct-search references on the same continuations.
 
 The target is a sharpened tiny Qwen3 (varied continuations with short loops) and the drafter is
 fitted a few steps to its continuations, so that key sizes 1, 2 and 3 pick lookup in different
@@ -89,7 +91,7 @@ def without_sweep(result: dict) -> dict:
 
 def test_each_swept_key_size_equals_a_single_key_eval_with_it(sweep_setup, capsys):
     sweep, out = run_eval(capsys, sweep_setup, "1,2,3")
-    assert list(sweep["methods"]) == ["dflash", "ngram", "ngram+dflash", *SWEPT]
+    assert list(sweep["methods"]) == ["dflash", "ngram", "ngram-overlap", "ngram+dflash", *SWEPT]
     assert sweep["ngram_dflash_key_sizes"] == {"ngram+dflash": 1, "ngram+dflash@2": 2, "ngram+dflash@3": 3}
     assert sweep["ngram_min_match"] == 1 and sweep["ngram_max_draft"] == 48
     for key_size, method in zip((2, 3), SWEPT, strict=True):
@@ -110,7 +112,7 @@ def test_one_key_size_leaves_the_output_unchanged(sweep_setup, capsys):
     and a one-key eval adds no method, field or line."""
     single, out = run_eval(capsys, sweep_setup, "1")
     sweep, _ = run_eval(capsys, sweep_setup, "1,2,3")
-    assert list(single["methods"]) == ["dflash", "ngram", "ngram+dflash"]
+    assert list(single["methods"]) == ["dflash", "ngram", "ngram-overlap", "ngram+dflash"]
     assert "ngram_dflash_key_sizes" not in single and single["ngram_min_match"] == 1
     assert without_sweep(sweep) == without_sweep(single)
     assert "n-gram+DFlash@" not in out and "ngram-simple key size" not in out
@@ -138,6 +140,7 @@ def test_key_sizes_are_validated_with_the_flag_named():
     assert options.exact_methods == [
         "dflash",
         "ngram",
+        "ngram-overlap",
         "ngram+dflash",
         "ngram+dflash@4",
         "ngram+dflash@6",
@@ -219,7 +222,7 @@ def test_ngram_simple_is_the_combination_s_lookup_alone(sweep_setup, capsys, max
     extra = ("--ngram-max-draft", str(max_draft))
     plain, _ = run_eval(capsys, sweep_setup, "2", *extra)
     result, out = run_eval(capsys, sweep_setup, "2", "--ngram-simple", *extra)
-    assert list(result["methods"]) == ["dflash", "ngram", "ngram-simple", "ngram+dflash"]
+    assert list(result["methods"]) == ["dflash", "ngram", "ngram-overlap", "ngram-simple", "ngram+dflash"]
     assert result["methods"]["ngram+dflash"] == plain["methods"]["ngram+dflash"]
     prompts, continuations, eos = sweep_setup["encoded"]
     want = [
@@ -236,13 +239,56 @@ def test_ngram_simple_is_the_combination_s_lookup_alone(sweep_setup, capsys, max
     assert "ngram-simple tau" in out
 
 
+def overlapping_copy_rounds(prompt, continuation, eos, block_size: int) -> list[int]:
+    """Accepted tokens per round of the n-gram lookup copied on past the text's end, from the
+    direct-search ``NgramProposer.lookup``: what followed its match (everything up to the end of
+    the text), cycled to B-1 tokens; no match: the last token, padded."""
+    from dflash_train.eval.proposers import NgramProposer
+    from dflash_train.eval.simulate import matched_prefix, request_limit
+
+    ids, limit, out, accepted = [*prompt, *continuation], request_limit(continuation, MAX_NEW, eos), 1, []
+    while out < limit and continuation[out - 1] not in eos:
+        context = ids[: len(prompt) + out]
+        span = NgramProposer(3).lookup(context, len(context)) or context[-1:]
+        draft = [span[k % len(span)] for k in range(block_size - 1)][: limit - out - 1]
+        accepted.append(matched_prefix(draft, continuation, out, eos))
+        out += accepted[-1] + 1
+    return accepted
+
+
+def test_the_eval_reports_the_overlapping_copy_beside_the_ngram_baseline(sweep_setup, capsys, tmp_path):
+    """``--baseline ngram`` in exact mode also reports ``ngram-overlap`` (overall, per file, in the
+    table, the figure and eval.json), round for round the direct-search reference on the same
+    continuations; the ``ngram`` baseline is what it was."""
+    result, out = run_eval(capsys, sweep_setup, "2", "--output-dir", str(tmp_path))
+    assert list(result["methods"]) == ["dflash", "ngram", "ngram-overlap", "ngram+dflash"]
+    prompts, continuations, eos = sweep_setup["encoded"]
+    block_size = len(result["per_position_acceptance"]) + 1
+    want = [
+        a
+        for prompt, continuation in zip(prompts, continuations, strict=True)
+        for a in overlapping_copy_rounds(prompt, continuation, eos, block_size)
+    ]
+    got, ngram = result["methods"]["ngram-overlap"], result["methods"]["ngram"]
+    assert got["rounds"] == len(want) == sum(got["accept_length_histogram"])
+    assert got["accept_length_histogram"] == [want.count(n) for n in range(block_size)]
+    assert got["tokens"] == ngram["tokens"]  # the same continuations
+    assert got["accept_length_histogram"] != ngram["accept_length_histogram"]  # loops shorter than B-1
+    assert result["ngram_overlap_tau"] == got["tau"] and result["ngram_tau"] == ngram["tau"]
+    assert result["per_file"][0]["methods"]["ngram-overlap"] == got  # one file: the same numbers
+    assert "n-gram-overlap tau" in out
+    saved = json.loads((tmp_path / "eval.json").read_text())
+    assert saved["methods"]["ngram-overlap"] == got and saved["ngram_overlap_tau"] == got["tau"]
+
+
 def test_ngram_simple_is_refused_where_the_combination_does_not_run():
     base = {"target": "t", "drafter": "d", "prompts": ["p.jsonl"]}
     with pytest.raises(ValueError, match="--ngram-simple .*--baseline ngram"):
         EvalOptions(**base, ngram_simple=True)
-    assert EvalOptions(**base, baseline="ngram", ngram_simple=True).exact_methods[:3] == [
+    assert EvalOptions(**base, baseline="ngram", ngram_simple=True).exact_methods[:4] == [
         "dflash",
         "ngram",
+        "ngram-overlap",
         "ngram-simple",
     ]
 

@@ -13,7 +13,8 @@ or precomputed: the target is frozen, so in-training eval generates them once):
    block ``[token at a, MASK...]``; the golden test ``test_training_block_equals_inference_block``
    pins training-mode block logits == inference-mode block logits); the target's LM head turns
    block positions 1..B-1 into argmax drafts (and top-K log-probs for DDTree), chunk by chunk;
-3. simulation on the host for DFlash, n-gram, DDTree and ``ngram+dflash`` (prompt lookup first,
+3. simulation on the host for DFlash, n-gram (``ngram-overlap``: its copy continued past the end
+   of the text instead of padded), DDTree and ``ngram+dflash`` (prompt lookup first,
    the drafter otherwise; ``ngram+dflash@K`` the same at key size K; ``ngram-simple`` its lookup
    alone), and the diagnosis of the DFlash drafts (``eval/diagnosis.py``: the training metric over
    every anchor, tau inside / outside repetition loops, after a rejection).
@@ -50,7 +51,7 @@ from dflash_train.eval.summary import summarize_rounds
 from dflash_train.models.variant import get_variant
 
 # Besides these, ``ngram+dflash@K`` for any key size K >= 1 (``ngram_simple.combined_methods``).
-EXACT_METHODS = ("dflash", "ngram", "ddtree", COMBINED_METHOD, LOOKUP_ALONE_METHOD)
+EXACT_METHODS = ("dflash", "ngram", "ngram-overlap", "ddtree", COMBINED_METHOD, LOOKUP_ALONE_METHOD)
 DRAFTER_METHODS = ("dflash", "ddtree", COMBINED_METHOD)  # the methods that need the drafter pass
 
 
@@ -365,8 +366,9 @@ def simulate_method(
     generations = []
     for i, continuation in enumerate(continuations):
         common = {"block_size": block_size, "max_new_tokens": max_new_tokens, "eos_token_ids": eos_token_ids}
-        if method == "ngram":
-            gen = simulate_ngram(prompts[i], continuation, n=ngram_n, **common)
+        if method in ("ngram", "ngram-overlap"):
+            overlap = method == "ngram-overlap"
+            gen = simulate_ngram(prompts[i], continuation, n=ngram_n, overlap=overlap, **common)
         elif method == "ddtree":
             table = drafts[i]
             gen = simulate_tree(

@@ -33,7 +33,8 @@ class EvalOptions:
     num_prompts: int = 0
     # Chat template thinking switch: on, off or the template's default.
     thinking: str = "default"
-    # "ngram" adds prompt-lookup drafting as a baseline; "none" does not.
+    # "ngram" adds prompt-lookup drafting as a baseline (exact mode: also ``ngram-overlap`` and
+    # ``ngram+dflash``, see ``exact_methods``); "none" does not.
     baseline: str = "none"
     # n of the n-gram baseline (and of the loop test of the exact-mode diagnosis).
     ngram_n: int = 3
@@ -177,14 +178,16 @@ class EvalOptions:
 
     @property
     def exact_methods(self) -> list[str]:
-        """The methods exact mode simulates: ``methods`` plus ``ngram+dflash`` (prompt lookup first,
-        the drafter otherwise) and the further key sizes' ``ngram+dflash@K`` beside the n-gram
-        baseline. Exact mode only: no real decoding of them."""
+        """The methods exact mode simulates: ``methods`` plus, beside the n-gram baseline,
+        ``ngram-overlap`` (the same lookup with its copy continued past the end of the text instead
+        of padded: the stronger free lookup), ``ngram+dflash`` (prompt lookup first, the drafter
+        otherwise) and the further key sizes' ``ngram+dflash@K``. Exact mode only: no real decoding
+        of them."""
         if self.baseline != "ngram":
             return self.methods
         at = self.methods.index("ngram") + 1
-        lookup_alone = [LOOKUP_ALONE_METHOD] if self.ngram_simple else []
-        return [*self.methods[:at], *lookup_alone, *self.combined_key_sizes, *self.methods[at:]]
+        lookups = ["ngram-overlap", *([LOOKUP_ALONE_METHOD] if self.ngram_simple else [])]
+        return [*self.methods[:at], *lookups, *self.combined_key_sizes, *self.methods[at:]]
 
     @property
     def combined_key_sizes(self) -> dict[str, int]:

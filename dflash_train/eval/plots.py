@@ -19,13 +19,28 @@ EVAL_JSON = "eval.json"
 METHOD_LABELS = {
     "dflash": "DFlash",
     "ngram": "n-gram",
+    "ngram-overlap": "n-gram-overlap",
     "ngram+dflash": "n-gram+DFlash",
     "ddtree": "DDTree",
     "ngram-simple": "ngram-simple",
 }
-METHOD_STYLES = {"dflash": "-", "ngram": ":", "ngram+dflash": "-.", "ddtree": "--", "ngram-simple": ":"}
+METHOD_STYLES = {
+    "dflash": "-",
+    "ngram": ":",
+    "ngram-overlap": ":",
+    "ngram+dflash": "-.",
+    "ddtree": "--",
+    "ngram-simple": ":",
+}
 # One color per method in every panel (matplotlib's first cycle colors).
-METHOD_COLORS = {"dflash": "C0", "ngram": "C1", "ddtree": "C2", "ngram+dflash": "C3", "ngram-simple": "C4"}
+METHOD_COLORS = {
+    "dflash": "C0",
+    "ngram": "C1",
+    "ddtree": "C2",
+    "ngram+dflash": "C3",
+    "ngram-simple": "C4",
+    "ngram-overlap": "C5",
+}
 PANEL_COLUMNS = 3
 
 

@@ -6,9 +6,10 @@ The flat result keeps the keys of earlier versions at top level for the overall 
 ``speedup``, ...) and adds ``per_file`` (the same numbers per prompt file), ``divergences``,
 ``lossless_up_to_ties``, ``timings``, ``tau_mode`` and, in exact mode, ``diagnosis``
 (``eval/diagnosis.py``: random-anchor tau, tau inside / outside repetition loops, accuracy after a
-rejected round) with ``random_anchor_tau`` and ``ngram_dflash_tau`` at top level. A key-size
-sweep (``--ngram-min-match 3,4,6``) adds its methods ``ngram+dflash@K`` to ``methods`` (overall and
-per file), to the tables and to the figure, like every other method.
+rejected round) with ``random_anchor_tau``, ``ngram_overlap_tau`` (``ngram-overlap``: the n-gram
+lookup copied on past the text's end) and ``ngram_dflash_tau`` at top level. A key-size sweep
+(``--ngram-min-match 3,4,6``) adds its methods ``ngram+dflash@K`` to ``methods`` (overall and per
+file), to the tables and to the figure, like every other method.
 """
 
 from __future__ import annotations
@@ -158,6 +159,7 @@ def flat_numbers(group: dict[str, Any]) -> dict[str, Any]:
         "baseline_tokens_per_s": group["baseline_tokens_per_s"],
         "speedup": main.get("speedup"),
         "ngram_tau": methods.get("ngram", {}).get("tau"),
+        "ngram_overlap_tau": methods.get("ngram-overlap", {}).get("tau"),
         "ddtree_tau": methods.get("ddtree", {}).get("tau"),
         "ngram_dflash_tau": methods.get("ngram+dflash", {}).get("tau"),
         "random_anchor_tau": (group["diagnosis"] or {}).get("random_anchor_tau"),

@@ -14,6 +14,10 @@ EOS token, and a round stops accepting right after an EOS draft (``acceptance.st
 DDTree walks the tree built from the drafter's top-K (``ddtree.build_tree``) along ``C``: the child
 whose token is the next continuation token is the one the target's greedy choice would select.
 
+``simulate_ngram(..., overlap=True)`` is the eval's method ``ngram-overlap``: the n-gram lookup with
+its copy continued past the end of the text instead of padded (``copied_on``), which inside a
+repetition loop of period p < B-1 proposes the loop's next B-1 tokens where ``ngram`` copies p and pads.
+
 ``simulate_ngram_then_dflash`` is the combination llama.cpp serves with ``--spec-type
 ngram-simple,draft-dflash`` (its prompt lookup when that proposes a draft, the drafter's block
 otherwise), simulated the same way.
@@ -168,11 +172,30 @@ class NgramIndex:
         """``NgramProposer.propose`` for ``ids[:length]``: B-1 tokens, padded with the last one."""
         return padded_block(self.lookup(length, block_size - 1) or [self.ids[length - 1]], block_size)
 
+    def propose_copied_on(self, length: int, block_size: int) -> list[int]:
+        """``propose`` from the same match, its copy continued past the end of ``ids[:length]``
+        instead of padded (``copied_on``); without a match the same fallback, the last token
+        padded. Where the match lies at least B-1 tokens back the two are the same draft."""
+        source = self.source(length)
+        if source is None:
+            return padded_block([self.ids[length - 1]], block_size)
+        return copied_on(self.ids, length, source, block_size - 1)
+
 
 def padded_block(span: Sequence[int], block_size: int) -> list[int]:
     """A non-empty proposed span as B-1 draft tokens, padded by repeating its last token (as
     ``NgramProposer`` pads)."""
     return [*span, *[span[-1]] * (block_size - 1 - len(span))]
+
+
+def copied_on(ids: Sequence[int], length: int, source: int, count: int) -> list[int]:
+    """``count`` tokens copied from ``ids[source:]`` as continuing ``ids[:length]``: past the end the
+    copy reads what it has itself appended (an overlapping copy; in a loop of period p, token k is
+    the one p back)."""
+    text = list(ids[:length])
+    for k in range(count):
+        text.append(text[source + k])
+    return text[length:]
 
 
 def simulate_ngram(
@@ -183,12 +206,15 @@ def simulate_ngram(
     block_size: int,
     max_new_tokens: int,
     eos_token_ids: Collection[int],
+    overlap: bool = False,
 ) -> Generation:
-    """n-gram prompt lookup: each round proposes from ``prompt + continuation[:out]``."""
+    """n-gram prompt lookup: each round proposes from ``prompt + continuation[:out]``; ``overlap``
+    copies on past the end of the text instead of padding (method ``ngram-overlap``)."""
     index = NgramIndex([*prompt, *continuation], n)
+    propose = index.propose_copied_on if overlap else index.propose
     return simulate_chain(
         continuation,
-        lambda out: index.propose(len(prompt) + out, block_size),
+        lambda out: propose(len(prompt) + out, block_size),
         block_size=block_size,
         max_new_tokens=max_new_tokens,
         eos_token_ids=eos_token_ids,
