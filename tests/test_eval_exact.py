@@ -327,6 +327,17 @@ def test_loop_rounds_are_those_where_prompt_lookup_accepts_the_whole_block():
     assert plain["loop_round_fraction"] == 0.0 and plain["tau_in_loops"] is None
 
 
+def test_a_loop_shorter_than_the_block_is_a_loop():
+    # Period 2 < B - 1 = 3: lookup's match lies 2 tokens back, so a copy that stops at the text's end
+    # proposes 2 tokens and pads ("6 5 5" for "6 5 6"); the loop's next block is "6 5 6", which the
+    # copy continued past the end proposes. Always-right drafts: rounds at out = 1, 5, 9, 13, 17 (the
+    # last drafts 2 of the 20 tokens); from out = 5 on, the loop's whole block recurs.
+    continuation = [5, 6] * 10
+    _, right = diagnosed(continuation, drafts_from(continuation, lambda j, k: True))
+    assert right["groups"]["rounds"]["blocks"] == 5
+    assert right["groups"]["loop"]["blocks"] == 4 and right["loop_round_fraction"] == pytest.approx(4 / 5)
+
+
 def test_rounds_after_a_rejection_are_reported_apart():
     continuation = list(range(1, 17))  # 16 distinct tokens: no loops
     right = {0: (1, 2), 3: (1, 2, 3), 7: (1, 2, 3), 11: (1, 3)}  # anchor -> positions drafted right

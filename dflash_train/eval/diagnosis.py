@@ -11,9 +11,11 @@ other anchors are free, and they answer what the sequential tau alone cannot:
   "training tau vs this" is memorisation-free, and "this vs the sequential tau" is the
   anchor-placement gap (rounds start right after a rejection, random anchors anywhere);
 - ``rounds``: the same teacher-forced numbers over the rounds the sequential simulation ran;
-- ``loop`` / ``outside_loops``: those rounds split by whether n-gram prompt lookup (the ``ngram``
-  method, same n) drafting at that same round start would have had its whole block accepted:
-  a reproducible definition of "inside a repetition loop";
+- ``loop`` / ``outside_loops``: those rounds split by whether n-gram prompt lookup with its copy
+  continued past the text's end (the ``ngram-overlap`` method, same n) drafting at that same round
+  start would have had its whole block accepted: a reproducible definition of "inside a repetition
+  loop", loops of any period included (the padded ``ngram`` draft copies only p tokens of a loop of
+  period p < B - 1, so it would count such a loop's rounds as outside);
 - ``after_rejection`` / ``other_rounds``: rounds whose previous round rejected a draft (accepted
   fewer than it drafted), and the others (the first round, rounds after a fully accepted one).
 
@@ -131,7 +133,7 @@ def diagnose_request(
         round_starts(generation), generation.num_drafted, generation.num_accepted, strict=True
     ):
         draft, truth = drafts[out - 1][:drafted], continuation[out : out + drafted]
-        ngram_draft = index.propose(len(prompt) + out, block_size)[:drafted]
+        ngram_draft = index.propose_copied_on(len(prompt) + out, block_size)[:drafted]
         in_loop = matched_prefix(ngram_draft, continuation, out, eos_token_ids) == drafted
         stats["rounds"].add(draft, truth, accepted)
         if drafted > 0:
