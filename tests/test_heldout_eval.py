@@ -153,6 +153,9 @@ def test_eval_runs_at_the_configured_steps_and_at_the_end(evaluated_run):
     ngram_rows = [r["step"] for r in rows if "eval_ngram_tau" in r]
     assert ngram_rows == [5]  # once: the n-gram baseline does not train
     assert {"eval_ngram_tau/repeat", "eval_ngram_tau/chat"} <= set(rows[1])
+    # beside it the same lookup copied on past the text's end (the eval's ngram-overlap), also once
+    assert [r["step"] for r in rows if "eval_ngram_overlap_tau" in r] == [5]
+    assert {"eval_ngram_overlap_tau/repeat", "eval_ngram_overlap_tau/chat"} <= set(rows[1])
 
 
 def test_final_eval_tau_is_the_exact_tau_of_the_export(evaluated_run, task, prompt_files):

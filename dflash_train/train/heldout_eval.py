@@ -5,7 +5,8 @@ are generated once too (the target never changes) and reused at every evaluation
 ``eval.every_steps`` steps and at the last step the drafter's exact-mode tau (``eval/exact.py``:
 one batched feature pass, one batched drafter pass, a host simulation of the rounds) is logged as
 ``eval_tau`` (all files) and ``eval_tau/<file stem>``, with ``eval_acc_by_pos`` and the cost
-``time_eval_s``; the n-gram baseline (``eval_ngram_tau``) is logged once, with the first evaluation.
+``time_eval_s``; the n-gram baseline (``eval_ngram_tau``, and ``eval_ngram_overlap_tau``: its copy
+continued past the text's end) is logged once, with the first evaluation.
 The diagnosis of the same drafts (``eval/diagnosis.py``) is logged beside: the training metric over
 every anchor (``eval_random_anchor_tau``), tau inside / outside repetition loops and the accuracy
 after a rejected round; with ``eval.ngram`` also ``eval_ngram_dflash_tau`` (prompt lookup first,
@@ -371,29 +372,34 @@ def diagnosis_metrics(
 
 
 def ngram_metrics(run, heldout: HeldoutEval) -> dict[str, Any]:
-    """``eval_ngram_tau`` (and per file) of prompt-lookup drafting: a host simulation, no drafter.
-    Each rank simulates its own prompts; a failure on one stops every rank before the gather."""
+    """``eval_ngram_tau`` (and per file) of prompt-lookup drafting, and ``eval_ngram_overlap_tau`` of
+    the same lookup copied on past the text's end (the eval's ``ngram-overlap``): host simulations,
+    no drafter. Each rank simulates its own prompts; a failure on one stops every rank before the
+    gather."""
     from dflash_train.eval import simulate
 
     cfg, block_size = run.cfg.eval, run.draft_config.num_verify_tokens
-    local, error = [], None
-    try:
-        local = [
-            simulate.simulate_ngram(
-                prompt,
-                continuation,
-                n=cfg.ngram_n,
-                block_size=block_size,
-                max_new_tokens=cfg.max_new_tokens,
-                eos_token_ids=heldout.eos_token_ids,
-            )
-            for prompt, continuation in zip(heldout.prompts, heldout.continuations, strict=True)
-        ]
-    except Exception as err:  # recovery boundary: every rank learns of it just below
-        error = err
-    share_local_outcome(run, error, "the n-gram baseline of the held-out prompts")  # before the gather
-    ordered, file_of = gather_generations(run, heldout, local)
-    metrics, _ = acceptance_metrics("eval_ngram_tau", ordered, file_of, heldout.names, block_size)
+    metrics = {}
+    for name, overlap in (("eval_ngram_tau", False), ("eval_ngram_overlap_tau", True)):
+        local, error = [], None
+        try:
+            local = [
+                simulate.simulate_ngram(
+                    prompt,
+                    continuation,
+                    n=cfg.ngram_n,
+                    block_size=block_size,
+                    max_new_tokens=cfg.max_new_tokens,
+                    eos_token_ids=heldout.eos_token_ids,
+                    overlap=overlap,
+                )
+                for prompt, continuation in zip(heldout.prompts, heldout.continuations, strict=True)
+            ]
+        except Exception as err:  # recovery boundary: every rank learns of it just below
+            error = err
+        share_local_outcome(run, error, "the n-gram baseline of the held-out prompts")  # before the gather
+        ordered, file_of = gather_generations(run, heldout, local)
+        metrics.update(acceptance_metrics(name, ordered, file_of, heldout.names, block_size)[0])
     return metrics
 
 
