@@ -176,10 +176,11 @@ def main() -> None:
     print(
         f"tau per round ({len(data['prompts'])} prompts, key {args.key}, lookup drafts <= {args.max_draft})"
     )
-    print(f"{'rule':<18}" + "".join(f"{f[:11]:>12}" for f in files) + "  drafted/round")
+    width = max(map(len, RULES)) + 2
+    print(f"{'rule':<{width}}" + "".join(f"{f[:11]:>12}" for f in files) + "  drafted/round")
     for rule in RULES:
         taus = "".join(f"{totals[rule, f][0] / max(totals[rule, f][1], 1):12.2f}" for f in files)
-        print(f"{rule:<18}{taus}  {totals[rule, 'all'][2] / max(totals[rule, 'all'][1], 1):13.1f}")
+        print(f"{rule:<{width}}{taus}  {totals[rule, 'all'][2] / max(totals[rule, 'all'][1], 1):13.1f}")
 
 
 if __name__ == "__main__":
