@@ -385,7 +385,9 @@ def run_evals(args, todo: dict, engine: str) -> dict[str, dict]:
 
 
 def table(args: argparse.Namespace, names: list[str], reports: dict[str, dict]) -> str:
-    lines = [f"{'run':12} {'step':>11} | {'prompts':16} {'tau':>6} {'ngram':>6} {'ratio':>5}  diagnosis"]
+    # ngram: the eval's prompt lookup; overlap: the same copied on past the text's end (ngram-overlap)
+    header = f"{'run':12} {'step':>11} | {'prompts':16} {'tau':>6} {'ngram':>6} {'ratio':>5} {'overlap':>7} {'ratio':>5}"
+    lines = [f"{header}  diagnosis"]
     for name in names:
         status = run_status(args, name)
         where = f"{status['step']}/{status['total_steps']}"
@@ -397,14 +399,14 @@ def table(args: argparse.Namespace, names: list[str], reports: dict[str, dict]) 
                 )
                 continue
             for row in report.get("per_file") or []:
-                tau, ngram = row.get("tau") or float("nan"), row.get("ngram_tau") or float("nan")
-                diag = {
-                    k: v for k, v in row.items() if isinstance(v, float) and k not in ("tau", "ngram_tau")
-                }
+                columns = ("tau", "ngram_tau", "ngram_overlap_tau")
+                tau, ngram, overlap = (row.get(key) or float("nan") for key in columns)
+                diag = {k: v for k, v in row.items() if isinstance(v, float) and k not in columns}
                 text = " ".join(f"{k}={v:.3g}" for k, v in list(diag.items())[:8])
                 file = Path(row["file"]).stem[:16]
                 lines.append(
-                    f"{name:12} {where:>11} | {file:16} {tau:6.3f} {ngram:6.3f} {tau / ngram:5.2f}  {text}"
+                    f"{name:12} {where:>11} | {file:16} {tau:6.3f} {ngram:6.3f} {tau / ngram:5.2f} "
+                    f"{overlap:7.3f} {tau / overlap:5.2f}  {text}"
                 )
     return "\n".join(lines)
 

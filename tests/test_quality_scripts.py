@@ -452,3 +452,22 @@ def test_lookup_variants_periodic_copy_follows_a_short_loop_the_evals_ngram_pads
     assert taus["recent"] == evals.tau
     assert taus["recent"] < 3.5 and taus["periodic"] > 6  # ~2 (+1) per round against 7 (+1)
     assert taus["earliest"] > taus["recent"]  # the loop's first occurrence has the most after it
+
+
+def test_the_results_table_puts_the_drafter_beside_both_lookups(scale, monkeypatch):
+    """table.txt: per file, tau, the eval's n-gram lookup and its ratio, then the overlapping copy
+    (ngram-overlap) and its ratio; the diagnosis after them does not repeat either."""
+    quality = sys.modules["gpu_quality"]
+    monkeypatch.setattr(quality, "run_status", lambda args, name: {"step": 9, "total_steps": 9})
+    row = {
+        "file": "/x/code.jsonl",
+        "tau": 6.0,
+        "ngram_tau": 3.0,
+        "ngram_overlap_tau": 4.0,
+        "random_anchor_tau": 7.5,
+    }
+    text = quality.table(argparse.Namespace(), ["d2"], {"d2:heldout": {"per_file": [row]}})
+    header, line = text.splitlines()[:2]
+    assert header.split()[4:9] == ["tau", "ngram", "ratio", "overlap", "ratio"]
+    assert line.split()[4:9] == ["6.000", "3.000", "2.00", "4.000", "1.50"]
+    assert line.split()[9:] == ["random_anchor_tau=7.5"]
