@@ -187,7 +187,7 @@ def train_step(
     if hooks.after_backward:
         hooks.after_backward(run)
     # SIGTERM is read here, at the end of the step, so a signal during step k stops after step k.
-    result = optimizer_update(run, timer, loss_total, stop_requested())
+    result = optimizer_update(run, timer, loss_total, stop_requested(), denom)
     if hooks.after_step:
         hooks.after_step(run)
     return {**result, "stats": stats_sum, "flops": flops}

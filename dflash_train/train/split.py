@@ -464,7 +464,7 @@ def drafter_step(
     if hooks.after_backward:
         hooks.after_backward(run)
     # The vote inside covers ALL ranks (the target ranks vote too); the loss sums over drafters only.
-    result = optimizer_update(run, timer, loss_total, stop_requested)
+    result = optimizer_update(run, timer, loss_total, stop_requested, denom)
     if hooks.after_step:
         hooks.after_step(run)
     return {**result, "stats": stats_sum, "flops": flops}
