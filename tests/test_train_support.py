@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,6 +159,33 @@ def test_tensorboard_writes_events_when_installed(tmp_path):
     logger.log(1, {"loss": 1.0, "acc": [0.5, 0.25]})
     logger.close()
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_tensorboard_hides_the_steps_a_killed_process_logged_past_its_checkpoint(tmp_path, monkeypatch):
+    """A resume from step 7 logs steps 8, 9, ... again: TensorBoard must purge what an earlier process
+    logged from step 8 on (metrics.jsonl drops those rows), as it does for a fresh start over an
+    earlier run's events; a first start has nothing to purge."""
+    import dflash_train.train.logging as logging_module
+
+    opened = []
+
+    class RecordingWriter:
+        def __init__(self, **kwargs):
+            opened.append(kwargs)
+            Path(kwargs["log_dir"]).mkdir(parents=True, exist_ok=True)
+
+        def add_scalar(self, *args):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(logging_module, "import_summary_writer", lambda: RecordingWriter)
+    make_logger(tmp_path, tensorboard=True).close()
+    resumed = LoggingConfig(progress_bar="off", tensorboard=True)
+    MetricsLogger(tmp_path, resumed, total_steps=100, is_main=True, config_dict={}, start_step=7).close()
+    make_logger(tmp_path, tensorboard=True).close()  # checkpoint.resume=never over the same folder
+    assert [kwargs.get("purge_step") for kwargs in opened] == [None, 8, 1]
 
 
 def test_wandb_missing_gives_install_hint(tmp_path, monkeypatch):
