@@ -194,6 +194,33 @@ def test_wandb_missing_gives_install_hint(tmp_path, monkeypatch):
         make_logger(tmp_path, wandb=True)
 
 
+def test_a_logger_left_by_an_error_marks_the_wandb_run_failed_and_keeps_the_error(tmp_path, monkeypatch):
+    """``with logger:`` closes it on the way out of a failed run: wandb's run finishes as failed (a
+    finished run would read as a success), and a sink that fails to close does not hide the error."""
+    import dflash_train.train.logging as logging_module
+
+    finished = []
+
+    class RecordingRun:
+        def log(self, *args, **kwargs):
+            pass
+
+        def finish(self, exit_code=None):
+            finished.append(exit_code)
+            if len(finished) == 3:
+                raise RuntimeError("wandb service gone")
+
+    wandb = type("FakeWandb", (), {"init": staticmethod(lambda **kwargs: RecordingRun())})
+    monkeypatch.setattr(logging_module, "import_wandb", lambda: wandb)
+    with make_logger(tmp_path / "ok", wandb=True):
+        pass
+    with pytest.raises(ValueError, match="the run's error"), make_logger(tmp_path / "failed", wandb=True):
+        raise ValueError("the run's error")
+    with pytest.raises(ValueError, match="the run's error"), make_logger(tmp_path / "both", wandb=True):
+        raise ValueError("the run's error")
+    assert finished == [None, 1, 1]
+
+
 # ----------------------------------------------------------------------------- FLOPs
 
 

@@ -227,8 +227,8 @@ class MetricsLogger:
             parts.append(f"mem {metrics['peak_mem_gb']:.1f} GB")
         return " | ".join(parts)
 
-    def close(self) -> None:
-        """Flush and close every sink (idempotent)."""
+    def close(self, failed: bool = False) -> None:
+        """Flush and close every sink (idempotent); ``failed``: the run raised (wandb marks it failed)."""
         if not self.is_main or self._closed:
             return
         self._closed = True
@@ -247,13 +247,21 @@ class MetricsLogger:
         if self._tensorboard is not None:
             self._tensorboard.close()
         if self._wandb_run is not None:
-            self._wandb_run.finish()
+            self._wandb_run.finish(exit_code=1 if failed else None)
 
     def __enter__(self) -> MetricsLogger:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
+        """Close, also when the run raised: the rows, curves and backends are flushed and finished
+        then, and a failure to close is logged without replacing the run's error."""
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close(failed=True)
+        except Exception as err:  # a recovery boundary: the run's own error is the one to see
+            log_main(f"warning: closing the metrics log failed too: {type(err).__name__}: {err}")
 
 
 def drop_rows_to_redo(path: Path, start_step: int, redo_eval: bool) -> None:
