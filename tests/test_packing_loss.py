@@ -4,6 +4,7 @@ the per-conversation CPU reference)."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 from typing import NamedTuple
 
@@ -208,3 +209,33 @@ def test_packed_run_resumes_with_the_uninterrupted_losses(train_task, tmp_path):
     assert first["step"] == 4
     assert train(tiny_config(train_task, out, *extra))["step"] == 8
     assert logged_losses(out) == full
+
+
+def test_a_filler_step_of_a_later_epoch_leaves_the_weights_alone(train_task, tmp_path):
+    """Epoch 1 of this data packs into fewer rows than epoch 0, so its last step is all filler (no
+    label anywhere): that step must not move the drafter (AdamW's momentum and weight decay would)."""
+    from dflash_train.train.trainer import TrainHooks, train
+
+    snapshots = {}
+
+    def snapshot(run):
+        params = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
+        snapshots[run.step] = (params, run.data.pack)
+
+    extra = ("data.packing=true", "data.pack_window=4", "train.seed=2", "train.max_steps=0")
+    extra += ("train.num_epochs=2", "checkpoint.every_steps=100", "train.weight_decay=0.1")
+    cfg = tiny_config(train_task, tmp_path / "run", *extra)
+    result = train(cfg, TrainHooks(after_step=snapshot))
+    pack = snapshots[1][1]
+    steps = pack.steps_per_epoch
+    filler = [
+        epoch * steps + s + 1
+        for epoch in range(2)
+        for s, group in enumerate(pack.groups(epoch))
+        if all(len(rows) == 0 for rows in group)
+    ]
+    assert filler == [2 * steps] and result["step"] == 2 * steps  # the run's last step is all filler
+    before, after = snapshots[filler[0] - 1][0], snapshots[filler[0]][0]
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == filler[0] and rows[-1]["empty_steps"] == 1 and rows[-2]["empty_steps"] == 0

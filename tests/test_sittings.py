@@ -13,7 +13,7 @@ import pytest
 
 from dflash_train.config import load_config
 from dflash_train.train import checkpoint as ckpt
-from dflash_train.train.sitting import Sitting, last_sitting
+from dflash_train.train.sitting import Sitting, append_sitting, last_sitting
 from dflash_train.train.trainer import TrainHooks, train
 from tests.train_helpers import become_rank, logged_losses, spawn_ranks, tiny_config, tiny_overrides
 
@@ -205,6 +205,20 @@ def test_a_step_that_compiled_is_not_budgeted_as_the_next_one():
     assert s.measured["compiling_steps"] == 2 and s.measured["compiling_step_s"] == 30.0  # the slowest
     step(5.0)  # a slow step that compiled nothing (a stall) still counts
     assert s.step_estimate() == 5.0
+
+
+def test_a_row_appended_after_a_torn_line_stays_readable(tmp_path, capsys):
+    """A process killed while writing its row leaves a line without its newline: the next row must
+    start a line of its own, and the reader says what it skipped."""
+    log = tmp_path / "sittings.jsonl"
+    log.write_text(json.dumps({"sitting": 1, "end_step": 5}) + "\n" + '{"sitting": 2, "end_st')
+    assert last_sitting(tmp_path) == {"sitting": 1, "end_step": 5}
+    assert "1 unreadable line" in capsys.readouterr().out
+    append_sitting(tmp_path, {"end_step": 12})
+    lines = log.read_text().splitlines()
+    assert len(lines) == 3 and lines[1] == '{"sitting": 2, "end_st'
+    assert last_sitting(tmp_path) == {"sitting": 3, "end_step": 12}
+    assert "unreadable" not in capsys.readouterr().out
 
 
 def test_steps_per_process_count_from_where_the_process_started():

@@ -308,6 +308,7 @@ def test_a_failed_save_stops_the_target_ranks_with_the_drafters_at_once(setup, f
             *split_overrides(1, 2),
         ],
         "fail_save_step": failed_step,
+        "record_logger_close": True,
         "timeout": 300,
     }
     codes, seconds = launch(spec, 3, run_dir, timeout_s=200)
@@ -326,6 +327,11 @@ def test_a_failed_save_stops_the_target_ranks_with_the_drafters_at_once(setup, f
     failed_at = [f["time"] for f in failures]
     assert max(failed_at) - min(failed_at) < 10, failed_at
     assert seconds < 150
+    # The drafter ranks (1, 2) closed their metrics logger on the way out (rows, TensorBoard, wandb).
+    assert sorted(p.name for p in (run_dir / "results").glob("logger-closed-*")) == [
+        "logger-closed-rank1",
+        "logger-closed-rank2",
+    ]
 
 
 def test_a_sigterm_in_the_target_ranks_last_save_vote_waits_for_the_commit_and_export(setup):
@@ -530,6 +536,19 @@ def worker(spec: dict) -> None:
             return real_save(*args, **kwargs)
 
         ckpt.save_checkpoint = recording_save
+    if spec.get("record_logger_close"):
+        from dflash_train.train import split
+
+        real_open_logger = split.open_logger
+
+        def recording_open_logger(run):
+            logger = real_open_logger(run)
+            close = logger.close
+            closed = Path(spec["result_dir"], f"logger-closed-rank{rank}")
+            logger.close = lambda **kwargs: closed.touch() or close(**kwargs)
+            return logger
+
+        split.open_logger = recording_open_logger
     if spec.get("fail_save_step"):
         import errno
 

@@ -78,6 +78,30 @@ def test_nonfinite_gradient_stops_before_the_update(task, tmp_path):
     assert ckpt.latest_checkpoint(tmp_path / "run") is None  # every_steps=4: nothing saved before step 3
 
 
+def test_a_failed_run_closes_its_metrics_logger(task, tmp_path, monkeypatch):
+    """The loop raising (a non-finite step under train.nonfinite=stop) still closes the logger: its
+    rows, curves, TensorBoard and wandb runs are flushed and finished, not left to the exit."""
+    import dflash_train.train.colocated as colocated
+
+    closed, real_open_logger = [], colocated.open_logger
+
+    def open_recording_logger(run):
+        logger = real_open_logger(run)
+        close = logger.close
+        logger.close = lambda **kwargs: closed.append(True) or close(**kwargs)
+        return logger
+
+    monkeypatch.setattr(colocated, "open_logger", open_recording_logger)
+
+    def poison(run):
+        if run.step == 1:
+            next(run.model.parameters()).grad.fill_(float("nan"))
+
+    with pytest.raises(NonFiniteError, match="^step 2: non-finite"):
+        train(tiny_config(task, tmp_path / "run"), TrainHooks(after_backward=poison))
+    assert closed
+
+
 def test_nonfinite_skip_policy_counts_and_continues(task, tmp_path):
     def poison(run):
         if run.step == 2:

@@ -7,6 +7,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -160,10 +161,64 @@ def test_tensorboard_writes_events_when_installed(tmp_path):
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 
+def test_tensorboard_hides_the_steps_a_killed_process_logged_past_its_checkpoint(tmp_path, monkeypatch):
+    """A resume from step 7 logs steps 8, 9, ... again: TensorBoard must purge what an earlier process
+    logged from step 8 on (metrics.jsonl drops those rows), as it does for a fresh start over an
+    earlier run's events; a first start has nothing to purge."""
+    import dflash_train.train.logging as logging_module
+
+    opened = []
+
+    class RecordingWriter:
+        def __init__(self, **kwargs):
+            opened.append(kwargs)
+            Path(kwargs["log_dir"]).mkdir(parents=True, exist_ok=True)
+
+        def add_scalar(self, *args):
+            pass
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(logging_module, "import_summary_writer", lambda: RecordingWriter)
+    make_logger(tmp_path, tensorboard=True).close()
+    resumed = LoggingConfig(progress_bar="off", tensorboard=True)
+    MetricsLogger(tmp_path, resumed, total_steps=100, is_main=True, config_dict={}, start_step=7).close()
+    make_logger(tmp_path, tensorboard=True).close()  # checkpoint.resume=never over the same folder
+    assert [kwargs.get("purge_step") for kwargs in opened] == [None, 8, 1]
+
+
 def test_wandb_missing_gives_install_hint(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)
     with pytest.raises(ImportError, match="pip install wandb"):
         make_logger(tmp_path, wandb=True)
+
+
+def test_a_logger_left_by_an_error_marks_the_wandb_run_failed_and_keeps_the_error(tmp_path, monkeypatch):
+    """``with logger:`` closes it on the way out of a failed run: wandb's run finishes as failed (a
+    finished run would read as a success), and a sink that fails to close does not hide the error."""
+    import dflash_train.train.logging as logging_module
+
+    finished = []
+
+    class RecordingRun:
+        def log(self, *args, **kwargs):
+            pass
+
+        def finish(self, exit_code=None):
+            finished.append(exit_code)
+            if len(finished) == 3:
+                raise RuntimeError("wandb service gone")
+
+    wandb = type("FakeWandb", (), {"init": staticmethod(lambda **kwargs: RecordingRun())})
+    monkeypatch.setattr(logging_module, "import_wandb", lambda: wandb)
+    with make_logger(tmp_path / "ok", wandb=True):
+        pass
+    with pytest.raises(ValueError, match="the run's error"), make_logger(tmp_path / "failed", wandb=True):
+        raise ValueError("the run's error")
+    with pytest.raises(ValueError, match="the run's error"), make_logger(tmp_path / "both", wandb=True):
+        raise ValueError("the run's error")
+    assert finished == [None, 1, 1]
 
 
 # ----------------------------------------------------------------------------- FLOPs

@@ -65,20 +65,20 @@ def train_colocated(cfg: RunConfig, hooks: TrainHooks) -> dict[str, Any]:
     info = init_distributed(cfg.train.device, timeout_s=cfg.train.dist_timeout_s)
     run = build_run(cfg, info)
     logger = open_logger(run)
-    sitting = Sitting.begin(run, started, clock)
-    # A SIGTERM after the loop (the run's last step done) must not cut the last checkpoint's commit
-    # or the export in half: it is deferred until both are written, then the run exits as usual.
-    with GracefulStop() as late:
-        try:
-            last_loss, saved = train_loop(run, hooks, logger, sitting)
-        except BaseException:
-            close_after_failure(run)  # the loop's error stays the one raised
-            raise
-        run.writer.close()  # the last checkpoint is committed before the export and the exit
-        export_started = clock()
-        export = export_final(run) if run.finished else None
-    report_deferred_stop(late)
-    logger.close()
+    with logger:  # closed on the way out, also when the run fails
+        sitting = Sitting.begin(run, started, clock)
+        # A SIGTERM after the loop (the run's last step done) must not cut the last checkpoint's commit
+        # or the export in half: it is deferred until both are written, then the run exits as usual.
+        with GracefulStop() as late:
+            try:
+                last_loss, saved = train_loop(run, hooks, logger, sitting)
+            except BaseException:
+                close_after_failure(run)  # the loop's error stays the one raised
+                raise
+            run.writer.close()  # the last checkpoint is committed before the export and the exit
+            export_started = clock()
+            export = export_final(run) if run.finished else None
+        report_deferred_stop(late)
     end_sitting(run, sitting, clock() - export_started if export else None)
     return run_result(run, logger, last_loss, saved, export, stopped=sitting.stopped)
 
@@ -187,7 +187,7 @@ def train_step(
     if hooks.after_backward:
         hooks.after_backward(run)
     # SIGTERM is read here, at the end of the step, so a signal during step k stops after step k.
-    result = optimizer_update(run, timer, loss_total, stop_requested())
+    result = optimizer_update(run, timer, loss_total, stop_requested(), denom)
     if hooks.after_step:
         hooks.after_step(run)
     return {**result, "stats": stats_sum, "flops": flops}

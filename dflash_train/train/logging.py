@@ -91,9 +91,7 @@ class MetricsLogger:
             return
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        self._tensorboard = (
-            summary_writer_cls(log_dir=str(run_dir / "tensorboard")) if summary_writer_cls else None
-        )
+        self._tensorboard = open_summary_writer(summary_writer_cls, run_dir / "tensorboard", start_step)
         self._wandb_run = (
             wandb.init(project=cfg.wandb_project, config=config_dict, dir=str(run_dir), name=run_dir.name)
             if wandb
@@ -229,8 +227,8 @@ class MetricsLogger:
             parts.append(f"mem {metrics['peak_mem_gb']:.1f} GB")
         return " | ".join(parts)
 
-    def close(self) -> None:
-        """Flush and close every sink (idempotent)."""
+    def close(self, failed: bool = False) -> None:
+        """Flush and close every sink (idempotent); ``failed``: the run raised (wandb marks it failed)."""
         if not self.is_main or self._closed:
             return
         self._closed = True
@@ -249,13 +247,21 @@ class MetricsLogger:
         if self._tensorboard is not None:
             self._tensorboard.close()
         if self._wandb_run is not None:
-            self._wandb_run.finish()
+            self._wandb_run.finish(exit_code=1 if failed else None)
 
     def __enter__(self) -> MetricsLogger:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type | None, *exc: object) -> None:
+        """Close, also when the run raised: the rows, curves and backends are flushed and finished
+        then, and a failure to close is logged without replacing the run's error."""
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close(failed=True)
+        except Exception as err:  # a recovery boundary: the run's own error is the one to see
+            log_main(f"warning: closing the metrics log failed too: {type(err).__name__}: {err}")
 
 
 def drop_rows_to_redo(path: Path, start_step: int, redo_eval: bool) -> None:
@@ -284,6 +290,19 @@ def drop_rows_to_redo(path: Path, start_step: int, redo_eval: bool) -> None:
     staging.write_text("".join(f"{line}\n" for line in kept))
     os.replace(staging, path)
     log_main(f"{path}: dropped {dropped} rows of steps this run logs again (from step {start_step + 1})")
+
+
+def open_summary_writer(summary_writer_cls: type | None, log_dir: Path, start_step: int):
+    """TensorBoard's writer for a run that continues at ``start_step``, or None when it is off.
+
+    Where an earlier process may have logged (a resume, or a start over an earlier run's events),
+    ``purge_step`` hides its events of the steps this run logs again, from ``start_step + 1`` on: the
+    rows ``drop_rows_to_redo`` drops from metrics.jsonl. A first start has nothing to hide."""
+    if summary_writer_cls is None:
+        return None
+    earlier = start_step > 0 or log_dir.exists()
+    purge = {"purge_step": start_step + 1} if earlier else {}
+    return summary_writer_cls(log_dir=str(log_dir), **purge)
 
 
 def import_summary_writer() -> type:

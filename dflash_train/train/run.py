@@ -63,7 +63,7 @@ class Run:
     total_steps: int
     group: Any = None
     step: int = 0
-    counters: dict[str, float] = field(default_factory=lambda: {"skipped_steps": 0})
+    counters: dict[str, float] = field(default_factory=lambda: {"skipped_steps": 0, "empty_steps": 0})
     writer: ckpt.CheckpointWriter | None = None
     # The steps per epoch that ``total_steps`` and the LR schedule were planned with: this run's
     # own (``data.steps_per_epoch``) unless it resumed a checkpoint of another world size.

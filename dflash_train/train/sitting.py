@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_train.generate.compiled_step import compiled_graph_count
+from dflash_train.train.logging import log_main
 
 SITTINGS_LOG = "sittings.jsonl"
 # The assumed write speed of a checkpoint before one was measured, bytes per second.
@@ -176,24 +177,34 @@ class Sitting:
 
 
 def last_sitting(output_dir: str | Path) -> dict[str, Any]:
-    """The newest row of ``output_dir/sittings.jsonl`` ({} when there is none)."""
+    """The newest readable row of ``output_dir/sittings.jsonl`` ({} when there is none). Unreadable
+    lines after it (a torn row of a process killed while writing it) are skipped and counted."""
     path = Path(output_dir) / SITTINGS_LOG
     if not path.is_file():
         return {}
+    skipped, row = 0, {}
     for line in reversed(path.read_text().splitlines()):
         try:
-            return json.loads(line)
+            row = json.loads(line)
+            break
         except ValueError:
-            continue  # a torn last line of a killed process
-    return {}
+            skipped += 1
+    if skipped:
+        log_main(
+            f"{path}: skipped {skipped} unreadable line(s) after its newest readable row (a process killed "
+            "while writing its row); the cost estimates come from that row"
+        )
+    return row
 
 
 def append_sitting(output_dir: str | Path, row: dict[str, Any]) -> None:
-    """Append one sitting's row, numbered after the rows already there."""
+    """Append one sitting's row, numbered after the rows already there. A torn last line (a process
+    killed while writing its row) is ended first, so that the new row is a line of its own."""
     path = Path(output_dir) / SITTINGS_LOG
-    number = len(path.read_text().splitlines()) + 1 if path.is_file() else 1
+    text = path.read_text() if path.is_file() else ""
+    torn = "\n" if text and not text.endswith("\n") else ""
     with open(path, "a") as fh:
-        fh.write(json.dumps({"sitting": number, **row}) + "\n")
+        fh.write(torn + json.dumps({"sitting": len(text.splitlines()) + 1, **row}) + "\n")
 
 
 def stop_message(

@@ -173,12 +173,14 @@ def drafter_forward_backward(
 
 
 def optimizer_update(
-    run: Run, timer: PhaseTimer, loss_total: torch.Tensor, stop_requested: bool
+    run: Run, timer: PhaseTimer, loss_total: torch.Tensor, stop_requested: bool, denom: torch.Tensor
 ) -> dict[str, Any]:
     """Clip, agree on every rank (non-finite? stop?), then step, skip or raise; advances ``run.step``.
 
     The loss is reduced over the run's group (split: the drafter ranks); the vote is always over
-    every rank of the job, so target ranks stop and raise together with the drafters.
+    every rank of the job, so target ranks stop and raise together with the drafters. A step whose
+    loss weight ``denom`` (``step_denominator``) is 0 has nothing to learn from (a packed epoch's
+    all-filler step): the optimizer is not stepped, since AdamW would still move the weights.
     """
     with timer.phase("optimizer"):
         grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.train.clip_grad_norm)
@@ -188,15 +190,24 @@ def optimizer_update(
         bad = ~torch.isfinite(loss_total) | ~torch.isfinite(grad_norm)
         # The one host sync of a step: every rank must agree before the update.
         nonfinite, stop = any_rank_flags([bad, stop_requested], run.info.device)
+        # The denominator is already summed over the group's ranks and micro-batches, so every rank
+        # reads the same value; the vote above has synced the device, so this read waits for nothing.
+        empty = not nonfinite and bool(denom == 0)
         if nonfinite:
             run.optimizer.zero_grad(set_to_none=True)
             handle_nonfinite(run, float(loss_total), float(grad_norm))
         else:
-            run.optimizer.step()
+            if empty:
+                run.counters["empty_steps"] += 1
+                log_main(
+                    f"step {run.step + 1}: no label token on any rank (all filler); optimizer not stepped"
+                )
+            else:
+                run.optimizer.step()
             run.optimizer.zero_grad(set_to_none=True)
-            run.scheduler.step()
+            run.scheduler.step()  # the schedule counts planned steps, empty ones included
     run.step += 1
-    return {"loss": loss_total, "grad_norm": grad_norm, "stop": stop, "skipped": nonfinite}
+    return {"loss": loss_total, "grad_norm": grad_norm, "stop": stop, "skipped": nonfinite or empty}
 
 
 def handle_nonfinite(run: Run, loss: float, grad_norm: float) -> None:
@@ -250,8 +261,8 @@ def step_flops(run: Run, m: dict[str, torch.Tensor]) -> float:
 class LogWindow:
     """The steps since the last log row: summed metrics, the summed loss, and the wall clock.
 
-    The loss of a row is the mean over the window's applied steps (skipped non-finite steps are
-    left out, NaN when every step was skipped), like tau and accuracy; ``loss_last`` is the last
+    The loss of a row is the mean over the window's applied steps (skipped non-finite steps and
+    empty steps are left out, NaN when every step was), like tau and accuracy; ``loss_last`` is the last
     step's. Nothing leaves the device until ``row``.
     """
 
@@ -313,6 +324,7 @@ def log_row(
         "time_drafter_s": phases.get("drafter", 0.0) / max(steps, 1),
         "time_optimizer_s": phases.get("optimizer", 0.0) / max(steps, 1),
         "skipped_steps": run.counters["skipped_steps"],
+        "empty_steps": run.counters["empty_steps"],
         "epoch": run.data.epoch,
         **{f"data_{k}": v for k, v in run.data.log_stats().items()},
     }
