@@ -193,7 +193,14 @@ def logs_dir(args: argparse.Namespace) -> Path:
 def run_status(args: argparse.Namespace, name: str) -> dict:
     """Where a run is: the newest row of its sittings.jsonl (nothing yet: not started)."""
     path = args.work / f"run-{name}" / "sittings.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    rows, torn = [], 0
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # a row torn by a process killed while writing it
+            torn += 1
+    if torn:
+        print(f"{path}: skipped {torn} unreadable line(s) (torn rows)", file=sys.stderr)
     if not rows:
         return {"step": 0, "total_steps": None, "finished": False, "sittings": 0}
     last = rows[-1]

@@ -471,3 +471,15 @@ def test_the_results_table_puts_the_drafter_beside_both_lookups(scale, monkeypat
     assert header.split()[4:9] == ["tau", "ngram", "ratio", "overlap", "ratio"]
     assert line.split()[4:9] == ["6.000", "3.000", "2.00", "4.000", "1.50"]
     assert line.split()[9:] == ["random_anchor_tau=7.5"]
+
+
+def test_a_torn_sittings_row_is_skipped_and_said(scale, tmp_path, capsys):
+    """run_status reads a run's sittings.jsonl past a row torn by a killed process (and says so)."""
+    quality = sys.modules["gpu_quality"]
+    run = tmp_path / "run-a"
+    run.mkdir()
+    row = {"end_step": 40, "total_steps": 90, "finished": False}
+    (run / "sittings.jsonl").write_text(json.dumps(row) + "\n" + '{"end_step": 8')
+    status = quality.run_status(argparse.Namespace(work=tmp_path), "a")
+    assert status["step"] == 40 and status["sittings"] == 1
+    assert "skipped 1 unreadable line" in capsys.readouterr().err
