@@ -96,7 +96,9 @@ OPENS_WITH_ASSISTANT = [
 ]
 
 
-@pytest.mark.parametrize("family", ["markers", "no markers", "smollm2", "llama3", "qwen3"])
+@pytest.mark.parametrize(
+    "family", ["markers", "no markers", "smollm2", "llama3", "qwen3", "qwen3.5", "qwen3.6"]
+)
 def test_a_conversation_opening_with_an_assistant_message_labels_its_reply_only(tokenizer, family):
     """No generation prompt can be rendered before an opening assistant message (transformers refuses
     an empty conversation); what the template writes before its content (the assistant header, a
@@ -110,6 +112,21 @@ def test_a_conversation_opening_with_an_assistant_message_labels_its_reply_only(
     end_of_turn = {"llama3": "<|eot_id|>"}.get(family, "<|im_end|>")
     ids, mask = tokenize_chat(tok, OPENS_WITH_ASSISTANT)
     answered = masked_spans(tok, *tokenize_chat(tok, OPENS_WITH_ASSISTANT[1:]))  # the reply to the user
+    assert masked_spans(tok, ids, mask) == [OPENS_WITH_ASSISTANT[0]["content"] + end_of_turn, *answered]
+
+
+@pytest.mark.parametrize("family", ["smollm2", "llama3", "qwen3", "qwen3.5", "qwen3.6"])
+def test_a_reply_after_only_a_system_prompt_labels_its_reply_only(family):
+    """Qwen3.5/3.6 refuse to render a conversation without a user query (the system prompt alone, or
+    it and the opening reply), though they render the whole row: the row still trains, its opening
+    reply labelled from its content as a reply opening the conversation is."""
+    from tests.chat_families import QWEN_TEMPLATES, family_tokenizer, qwen_tokenizer
+
+    tok = qwen_tokenizer(family) if family in QWEN_TEMPLATES else family_tokenizer(family)
+    end_of_turn = {"llama3": "<|eot_id|>"}.get(family, "<|im_end|>")
+    system = {"role": "system", "content": "be brief"}
+    ids, mask = tokenize_chat(tok, [system, *OPENS_WITH_ASSISTANT])
+    answered = masked_spans(tok, *tokenize_chat(tok, [system, *OPENS_WITH_ASSISTANT[1:]]))
     assert masked_spans(tok, ids, mask) == [OPENS_WITH_ASSISTANT[0]["content"] + end_of_turn, *answered]
 
 
