@@ -54,7 +54,9 @@ from dflash_train.data.tokenize import check_tokenizer
 # 6: a reply with no user message before it (opening the row, or after a system prompt alone) trains
 # under templates that refuse to render a conversation without a user query (Qwen3.5/3.6); a cache of
 # version 5 skipped such rows as template_error.
-CACHE_VERSION = 6
+# 7: the reply closing a row trains as its stored ids where the template renders it otherwise (Qwen's
+# empty think block before a reply cut inside its reasoning); a cache of version 6 used its text.
+CACHE_VERSION = 7
 # id_sources.npy codes: replies tokenized from text; from stored ids; from stored ids in a row whose
 # regen.round_trip says the text would have tokenized to other ids.
 ID_FROM_TEXT, ID_STORED, ID_STORED_NOT_ROUND_TRIP = 0, 1, 2
