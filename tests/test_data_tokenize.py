@@ -96,7 +96,9 @@ OPENS_WITH_ASSISTANT = [
 ]
 
 
-@pytest.mark.parametrize("family", ["markers", "no markers", "smollm2", "llama3", "qwen3"])
+@pytest.mark.parametrize(
+    "family", ["markers", "no markers", "smollm2", "llama3", "qwen3", "qwen3.5", "qwen3.6"]
+)
 def test_a_conversation_opening_with_an_assistant_message_labels_its_reply_only(tokenizer, family):
     """No generation prompt can be rendered before an opening assistant message (transformers refuses
     an empty conversation); what the template writes before its content (the assistant header, a
@@ -110,6 +112,21 @@ def test_a_conversation_opening_with_an_assistant_message_labels_its_reply_only(
     end_of_turn = {"llama3": "<|eot_id|>"}.get(family, "<|im_end|>")
     ids, mask = tokenize_chat(tok, OPENS_WITH_ASSISTANT)
     answered = masked_spans(tok, *tokenize_chat(tok, OPENS_WITH_ASSISTANT[1:]))  # the reply to the user
+    assert masked_spans(tok, ids, mask) == [OPENS_WITH_ASSISTANT[0]["content"] + end_of_turn, *answered]
+
+
+@pytest.mark.parametrize("family", ["smollm2", "llama3", "qwen3", "qwen3.5", "qwen3.6"])
+def test_a_reply_after_only_a_system_prompt_labels_its_reply_only(family):
+    """Qwen3.5/3.6 refuse to render a conversation without a user query (the system prompt alone, or
+    it and the opening reply), though they render the whole row: the row still trains, its opening
+    reply labelled from its content as a reply opening the conversation is."""
+    from tests.chat_families import QWEN_TEMPLATES, family_tokenizer, qwen_tokenizer
+
+    tok = qwen_tokenizer(family) if family in QWEN_TEMPLATES else family_tokenizer(family)
+    end_of_turn = {"llama3": "<|eot_id|>"}.get(family, "<|im_end|>")
+    system = {"role": "system", "content": "be brief"}
+    ids, mask = tokenize_chat(tok, [system, *OPENS_WITH_ASSISTANT])
+    answered = masked_spans(tok, *tokenize_chat(tok, [system, *OPENS_WITH_ASSISTANT[1:]]))
     assert masked_spans(tok, ids, mask) == [OPENS_WITH_ASSISTANT[0]["content"] + end_of_turn, *answered]
 
 
@@ -307,6 +324,36 @@ def test_stored_ids_of_every_turn_of_a_multi_turn_row(tmp_path, tokenizer):
     assert data.id_sources.tolist() == [1]
 
 
+@pytest.mark.parametrize(
+    ("family", "reply", "finished"),
+    [
+        ("qwen3.5", "I should greet them", False),  # cut inside the think block its prompt opened
+        ("qwen3", "<think>\nI should greet them", False),  # cut inside the think block it opened
+        ("qwen3.5", "greet them\n</think>\n\nhello\n", True),  # the template trims its last newline
+    ],
+)
+def test_the_last_reply_trains_as_generated_where_the_template_renders_it_otherwise(
+    tmp_path, family, reply, finished
+):
+    """Qwen's templates render a reply without ``</think>`` (cut at the limit inside its reasoning)
+    after an empty think block the target never wrote, and trim a reply's trailing whitespace. The
+    reply closing the row needs no rendering of its own to be followed by later turns: it trains as
+    the prompt the target was given and the ids it generated, then the end of turn (a label only
+    for a reply that ended on its own)."""
+    from tests.chat_families import qwen_tokenizer
+
+    tok = qwen_tokenizer(family)
+    history = [{"role": "user", "content": "hi"}]
+    generated = ids_of(reply, tok)
+    message = generated_reply(tok, history, generated)
+    _, data = build_rows(tmp_path, tok, [regen_row([*history, message], [finished])])
+    ids, mask = (a.tolist() for a in data.row(0))
+    prompt, end, newline = message["prompt_token_ids"], ids_of("<|im_end|>", tok), ids_of("\n", tok)
+    assert ids == prompt + generated + end + newline
+    assert mask == [False] * len(prompt) + [True] * len(generated) + [finished] * len(end) + [False]
+    assert data.id_sources.tolist() == [1] and data.id_fallbacks == {}
+
+
 def test_a_stored_prompt_unlike_the_rendering_is_counted_and_trains_from_text(tmp_path, tokenizer, capsys):
     _, split = split_of_a_merged_token(tokenizer)
     history = [{"role": "user", "content": "hi"}]
@@ -361,8 +408,14 @@ def test_replies_that_round_trip_train_exactly_as_their_text(tokenizer, template
             generated_reply(tok, messages, canonical, **kwargs) if m["role"] == "assistant" else m
         )
     row = tokenize_training_row(tok, messages, thinking)
-    ids, mask = tokenize_chat(tok, CONVERSATION, thinking)
-    assert row.ids.tolist() == ids.tolist() and row.loss_mask.tolist() == mask.tolist()
+    ids, mask = (a.tolist() for a in tokenize_chat(tok, CONVERSATION, thinking))
+    if template == "qwen" and thinking is None:
+        # The text path renders the last reply after an empty think block that its ids, generated
+        # right after the prompt, lack: the row holds the reply as generated, without the block.
+        prompt, stub = len(messages[-1]["prompt_token_ids"]), ids_of("<think>\n\n</think>\n\n", tok)
+        assert ids[prompt : prompt + len(stub)] == stub
+        ids, mask = (x[:prompt] + x[prompt + len(stub) :] for x in (ids, mask))
+    assert row.ids.tolist() == ids and row.loss_mask.tolist() == mask
     # Which replies could take their ids: all with the plain templates and default thinking; with
     # thinking off the history reply was generated after a think stub its rendering lacks.
     assert row.from_token_ids == (template == "qwen" or thinking is None)

@@ -51,7 +51,12 @@ from dflash_train.data.tokenize import check_tokenizer
 # 5: a reply's label starts no later than its content (data/tokenize.py ``content_start``); a cache
 # of version 4 labelled the prompt of a row opening with an assistant message, and dropped the first
 # label of a history reply starting with the generation prompt's first characters.
-CACHE_VERSION = 5
+# 6: a reply with no user message before it (opening the row, or after a system prompt alone) trains
+# under templates that refuse to render a conversation without a user query (Qwen3.5/3.6); a cache of
+# version 5 skipped such rows as template_error.
+# 7: the reply closing a row trains as its stored ids where the template renders it otherwise (Qwen's
+# empty think block before a reply cut inside its reasoning); a cache of version 6 used its text.
+CACHE_VERSION = 7
 # id_sources.npy codes: replies tokenized from text; from stored ids; from stored ids in a row whose
 # regen.round_trip says the text would have tokenized to other ids.
 ID_FROM_TEXT, ID_STORED, ID_STORED_NOT_ROUND_TRIP = 0, 1, 2

@@ -10,7 +10,8 @@ what its prompt adds to the previous reply's, ``data.stored_prompts``), and trai
 - the conversation is rendered with the chat template as on the text path (``data.tokenize``);
 - for every assistant message with ids, the rendering before its reply must be exactly its
   generation prompt (``render(messages[:i], add_generation_prompt=True)``), which must tokenize to the
-  stored ``prompt_token_ids``, and the reply must be written verbatim (the ids decode to ``content``);
+  stored ``prompt_token_ids``, and the reply must be written verbatim (the ids decode to ``content``)
+  unless it closes the row (``reply_end``: its rendering is then replaced by its ids);
 - the row is then the template text between replies, tokenized piece by piece, with each reply's
   text replaced by its stored ids. The first piece is the first reply's prompt, so the row starts with
   exactly the ids the target saw, followed by exactly the ids it generated. The loss mask covers the
@@ -143,9 +144,10 @@ def tokenize_with_stored_ids(
     limit (``finished`` False) ends with its content, so its end of turn is no label."""
     try:
         full, spans = assistant_char_spans(tokenizer, clean, kwargs)
+        closing = turn_closing_text(tokenizer, kwargs)
         labels = spans
         if finished is not None and not all(finished):
-            labels = label_spans(full, spans, finished, turn_closing_text(tokenizer, kwargs))
+            labels = label_spans(full, spans, finished, closing)
     except TemplateError as err:  # the text path (generation markers) may still give a mask
         raise StoredIdsMismatch("template_mismatch", str(err)) from err
     turns = [i for i, m in enumerate(clean) if m["role"] == "assistant"]
@@ -153,12 +155,13 @@ def tokenize_with_stored_ids(
     mask: list[bool] = []
     cursor, num_spliced, first_mismatch = 0, 0, None
     chain = PromptChain()  # every assistant turn in order: a prompt may continue the previous one
-    for i, (start, _) in zip(turns, spans):
+    for i, span in zip(turns, spans):
         stored_prompt = chain.prompt_of(messages[i])
         if stored_prompt is None:
             continue  # an assistant turn without ids stays text, masked by its span below
+        start = span[0]
         try:
-            end = reply_end(tokenizer, messages[i], stored_prompt, clean, i, full, start, kwargs)
+            end = reply_end(tokenizer, messages[i], stored_prompt, clean, i, full, span, closing, kwargs)
         except StoredIdsMismatch as mismatch:
             first_mismatch = first_mismatch or mismatch
             continue
@@ -172,9 +175,17 @@ def tokenize_with_stored_ids(
     return ids, mask, first_mismatch
 
 
-def reply_end(tokenizer, message, stored: list[int], clean, i: int, full: str, start: int, kwargs) -> int:
-    """Where reply ``i``'s text ends in ``full``, after checking that its stored ids (``stored``: its
-    prompt's, resolved by ``PromptChain``) fit there."""
+def reply_end(
+    tokenizer, message, stored: list[int], clean, i: int, full: str, span, closing: str, kwargs
+) -> int:
+    """Where reply ``i``'s text ends in ``full`` (``span``: its response span there), after checking
+    that its stored ids (``stored``: its prompt's, resolved by ``PromptChain``) fit there.
+
+    The reply that closes the row may be rendered otherwise than generated: Qwen's templates put a
+    reply without ``</think>`` (cut at the limit inside its reasoning) after an empty think block the
+    target never wrote, and trim its trailing whitespace. Nothing after it was rendered from it, so
+    its rendering is replaced whole: the row is its prompt, its ids, then the turn-closing text."""
+    start, span_end = span
     prompt = render(tokenizer, clean[:i], kwargs, generation_prompt=True)
     prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     if prompt_ids != stored:
@@ -195,7 +206,11 @@ def reply_end(tokenizer, message, stored: list[int], clean, i: int, full: str, s
             "content_mismatch",
             f"assistant message {i}: token_ids decode to {text[:40]!r}, the content is {message['content'][:40]!r}",
         )
-    if start != len(prompt) or not full.startswith(prompt) or full[start : start + len(text)] != text:
+    verbatim = full[start : start + len(text)] == text
+    closes_row = i == len(clean) - 1 and full[:span_end].endswith(closing)
+    if start == len(prompt) and full.startswith(prompt) and not verbatim and closes_row:
+        return span_end - len(closing)
+    if start != len(prompt) or not full.startswith(prompt) or not verbatim:
         raise StoredIdsMismatch(
             "template_mismatch",
             f"assistant message {i}: the chat template does not render its generation prompt followed by "

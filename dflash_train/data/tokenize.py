@@ -204,17 +204,14 @@ def assistant_char_spans(tokenizer, messages, kwargs) -> tuple[str, list[tuple[i
 
 def response_start(tokenizer, messages, i: int, full: str, kwargs) -> int:
     if i == 0:  # no generation prompt renders before it: transformers refuses an empty conversation
-        start = content_start(tokenizer, messages, 0, full, kwargs)
-        if start is None:
-            raise BadRowError(
-                "template_error",
-                "the conversation opens with an assistant message and the chat template does not write "
-                "its content verbatim, so where its reply starts cannot be found; start the row with a "
-                "user message",
-            )
-        return start
-    history = render(tokenizer, messages[:i], kwargs)
-    prompt = render(tokenizer, messages[:i], kwargs, generation_prompt=True)
+        return opening_reply_start(tokenizer, messages, i, full, kwargs)
+    try:
+        history = render(tokenizer, messages[:i], kwargs)
+        prompt = render(tokenizer, messages[:i], kwargs, generation_prompt=True)
+    except BadRowError:
+        if refused_for_a_user_query(messages[:i]):  # Qwen3.5/3.6 refuse a system prompt alone
+            return opening_reply_start(tokenizer, messages, i, full, kwargs)
+        raise
     start = common_prefix_length(prompt, full)
     if start < len(history):
         raise TemplateError(
@@ -226,6 +223,26 @@ def response_start(tokenizer, messages, i: int, full: str, kwargs) -> int:
         content = content_start(tokenizer, messages, i, full, kwargs)
         start = start if content is None else min(start, content)
     return start
+
+
+def opening_reply_start(tokenizer, messages, i: int, full: str, kwargs) -> int:
+    """Where reply ``i`` starts when no user message precedes it (it opens the conversation, or
+    follows a system prompt alone): at its content, the header before it being prompt."""
+    start = content_start(tokenizer, messages, i, full, kwargs)
+    if start is None:
+        raise BadRowError(
+            "template_error",
+            "the conversation opens with an assistant message and the chat template does not write "
+            "its content verbatim, so where its reply starts cannot be found; start the row with a "
+            "user message",
+        )
+    return start
+
+
+def refused_for_a_user_query(messages) -> bool:
+    """Whether a template's refusal to render ``messages`` may be for want of a user query (Qwen3.5/3.6
+    raise "No user query found in messages"), which a whole row with one would not meet."""
+    return not any(m["role"] == "user" for m in messages)
 
 
 def content_start(tokenizer, messages, i: int, full: str, kwargs) -> int | None:
@@ -242,8 +259,13 @@ def content_start(tokenizer, messages, i: int, full: str, kwargs) -> int | None:
 
 
 def response_end(tokenizer, messages, i: int, full: str, start: int, closing: str, kwargs) -> int:
-    turn = render(tokenizer, messages[: i + 1], kwargs).rstrip()
-    if full.startswith(turn) and len(turn) > start:
+    try:
+        turn = render(tokenizer, messages[: i + 1], kwargs).rstrip()
+    except BadRowError:
+        if not refused_for_a_user_query(messages[: i + 1]):
+            raise
+        turn = ""  # the turn's end is found in the whole rendering, as that of a rewritten turn
+    if turn and full.startswith(turn) and len(turn) > start:
         return len(turn)
     end = end_of_rewritten_turn(full, start, closing)
     if end < 0:
