@@ -354,6 +354,70 @@ def test_the_last_reply_trains_as_generated_where_the_template_renders_it_otherw
     assert data.id_sources.tolist() == [1] and data.id_fallbacks == {}
 
 
+@pytest.mark.parametrize(
+    ("family", "reply", "finished"),
+    [
+        ("qwen3.5", "I should greet them", False),  # cut inside the think block its prompt opened
+        ("qwen3", "<think>\nI should greet them", False),  # cut inside the think block it opened
+        ("qwen3.5", "greet them\n</think>\n\nhello\n", True),  # the template trims its last newline
+    ],
+)
+def test_the_last_reply_of_a_regen_row_without_ids_trains_as_generated(tmp_path, family, reply, finished):
+    """``regen --endpoint`` stores text only, and a regen reply's content is what the target generated
+    after the generation prompt: where the template renders it otherwise, the closing reply trains as
+    the prompt, the content's tokens and the end of turn, not after an empty think block the target
+    never wrote. A row not written by regen (no ``regen.finished``) is a chat answer for the template
+    to format and keeps its rendering."""
+    from tests.chat_families import qwen_tokenizer
+
+    tok = qwen_tokenizer(family)
+    history = [{"role": "user", "content": "hi"}]
+    messages = [*history, {"role": "assistant", "content": reply}]
+    _, data = build_rows(tmp_path, tok, [regen_row(messages, [finished]), {"messages": messages}])
+    ids, mask = (a.tolist() for a in data.row(0))
+    prompt, generated = prompt_ids(tok, history), ids_of(reply, tok)
+    end, newline = ids_of("<|im_end|>", tok), ids_of("\n", tok)
+    assert ids == prompt + generated + end + newline
+    assert mask == [False] * len(prompt) + [True] * len(generated) + [finished] * len(end) + [False]
+    text_ids, text_mask = tokenize_chat(tok, messages)
+    assert data.row(1)[0].tolist() == text_ids.tolist() != ids
+    assert data.row(1)[1].tolist() == text_mask.tolist()
+    assert data.id_sources.tolist() == [0, 0] and data.id_fallbacks == {}
+
+
+def test_a_regen_reply_split_by_a_reasoning_parser_keeps_its_rendering(tmp_path):
+    """Its content lacks the reasoning in ``reasoning_content``: the reply as generated cannot be rebuilt."""
+    from tests.chat_families import qwen_tokenizer
+
+    tok = qwen_tokenizer("qwen3.5")
+    reply = {"role": "assistant", "content": "hello", "reasoning_content": "I should greet them"}
+    messages = [{"role": "user", "content": "hi"}, reply]
+    _, data = build_rows(tmp_path, tok, [regen_row(messages, [True])])
+    text_ids, text_mask = tokenize_chat(tok, messages)
+    assert data.row(0)[0].tolist() == text_ids.tolist()
+    assert data.row(0)[1].tolist() == text_mask.tolist()
+
+
+def test_the_last_reply_of_a_multi_turn_regen_row_without_ids_trains_as_generated(tmp_path):
+    """The history replies keep their text and labels; the closing one is the content's tokens after
+    its generation prompt."""
+    from tests.chat_families import qwen_tokenizer
+
+    tok = qwen_tokenizer("qwen3.5")
+    history = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "and then?"},
+    ]
+    reply = "I should answer"
+    messages = [*history, {"role": "assistant", "content": reply}]
+    _, data = build_rows(tmp_path, tok, [regen_row(messages, [True, False])])
+    ids, mask = data.row(0)
+    prompt, generated = prompt_ids(tok, history), ids_of(reply, tok)
+    assert ids.tolist() == prompt + generated + ids_of("<|im_end|>\n", tok)
+    assert masked_spans(tok, ids, mask) == ["hello<|im_end|>", reply]
+
+
 def test_a_stored_prompt_unlike_the_rendering_is_counted_and_trains_from_text(tmp_path, tokenizer, capsys):
     _, split = split_of_a_merged_token(tokenizer)
     history = [{"role": "user", "content": "hi"}]

@@ -56,7 +56,9 @@ from dflash_train.data.tokenize import check_tokenizer
 # version 5 skipped such rows as template_error.
 # 7: the reply closing a row trains as its stored ids where the template renders it otherwise (Qwen's
 # empty think block before a reply cut inside its reasoning); a cache of version 6 used its text.
-CACHE_VERSION = 7
+# 8: so does the closing reply of a regen row without ids (regen --endpoint), as the prompt, its
+# content's tokens and the end of turn; a cache of version 7 trained the template's rendering of it.
+CACHE_VERSION = 8
 # id_sources.npy codes: replies tokenized from text; from stored ids; from stored ids in a row whose
 # regen.round_trip says the text would have tokenized to other ids.
 ID_FROM_TEXT, ID_STORED, ID_STORED_NOT_ROUND_TRIP = 0, 1, 2

@@ -22,7 +22,9 @@ A reply whose stored ids do not fit the current tokenizer and template (another 
 than regen's ``--thinking``, another template, an edited reply) is tokenized from its text and the row
 is counted by reason (``FALLBACK_REASONS``); a row none of whose replies fits takes the text path
 exactly. Ids outside the vocabulary are a bad row (``malformed_token_ids``). Rows without ids take
-the text path unchanged.
+the text path, except the closing reply of a row written by ``regen --endpoint`` (text only) that the
+template renders otherwise: its content is what the target generated, so it is placed as stored ids
+would be (``closing_reply_as_generated``).
 """
 
 from __future__ import annotations
@@ -96,7 +98,9 @@ def tokenize_training_row(
     ended on their own. Raises ``BadRowError``."""
     num_cut = 0 if finished is None else finished.count(False)
     if not has_token_ids(messages):
-        ids, mask = tokenize_chat(tokenizer, messages, thinking, finished)
+        rebuilt = closing_reply_as_generated(tokenizer, messages, template_kwargs(thinking), finished)
+        ids, mask = rebuilt or tokenize_chat(tokenizer, messages, thinking, finished)
+        ids, mask = np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool)
         return TokenizedChat(ids, mask, from_token_ids=False, num_cut_replies=num_cut)
     check_vocabulary(tokenizer, messages)
     clean = without_token_ids(messages)
@@ -115,6 +119,44 @@ def tokenize_training_row(
         return TokenizedChat(ids, mask, from_token_ids=False, fallback=fallback, num_cut_replies=num_cut)
     ids, mask = np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool)
     return TokenizedChat(ids, mask, from_token_ids=True, fallback=fallback, num_cut_replies=num_cut)
+
+
+def closing_reply_as_generated(
+    tokenizer, messages, kwargs, finished: list[bool] | None
+) -> tuple[list[int], list[bool]] | None:
+    """(ids, mask) of a row written by regen without stored ids (``regen --endpoint``) whose closing
+    reply the template does not render as its generation prompt followed by its content: that reply
+    trains as ``reply_end`` places stored ids, its prompt, ``tokenizer(content)`` and the turn-closing
+    text (a label only where ``finished`` says it ended on its own). None: the text path.
+
+    A regen reply's content is exactly what the target generated after the generation prompt, so
+    the empty think block Qwen's templates put before a reply cut inside its reasoning, or a trimmed
+    trailing newline, would train as the target's. Rows not written by regen (``finished`` None) hold
+    answers for the template to format, and a reply whose reasoning a server's reasoning parser split
+    into ``reasoning_content`` cannot be rebuilt from its content: both keep the text path."""
+    i, last = len(messages) - 1, messages[-1]
+    if finished is None or i == 0 or last["role"] != "assistant" or "reasoning_content" in last:
+        return None
+    if not getattr(tokenizer, "is_fast", False):
+        return None
+    try:
+        prompt = render(tokenizer, messages[:i], kwargs, generation_prompt=True)
+    except BadRowError:  # Qwen3.5/3.6 refuse a prompt without a user query; the text path handles it
+        return None
+    if render(tokenizer, messages, kwargs).startswith(prompt + last["content"]):
+        return None  # rendered as generated: the text path is already the row the target wrote
+    generated = {
+        **last,
+        "token_ids": tokenizer(last["content"], add_special_tokens=False)["input_ids"],
+        "prompt_token_ids": tokenizer(prompt, add_special_tokens=False)["input_ids"],
+    }
+    try:
+        ids, mask, mismatch = tokenize_with_stored_ids(
+            tokenizer, [*messages[:i], generated], messages, kwargs, finished
+        )
+    except StoredIdsMismatch:
+        return None
+    return None if ids is None or mismatch is not None else (ids, mask)
 
 
 def check_vocabulary(tokenizer, messages: list[dict[str, Any]]) -> None:
