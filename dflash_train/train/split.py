@@ -307,47 +307,46 @@ def run_drafter_rank(
         run.owed_eval_step = None  # else the run never counts as finished, and every checkpoint owes it
     with starting_up_together(layout):  # else the target ranks would wait for it in their first step
         logger = open_logger(run)
-    with logger:  # closed on the way out, also when the run fails
-        timer, window = PhaseTimer(info.device), LogWindow(run.step)
-        last_loss, saved, busy_s = float("nan"), None, 0.0
-        stacks = Path(cfg.output_dir) / "watchdog-stacks.txt"
-        # A SIGTERM after the loop must not cut the last checkpoint's commit or the export in half:
-        # it is deferred until both are written, then the rank exits as usual.
-        with GracefulStop() as late:
-            try:
-                with GracefulStop() as stop, Watchdog(cfg.train.watchdog_s, stacks) as watchdog:
-                    while run.step < run.total_steps:
-                        watchdog.beat(run.step)
-                        t0, wait0 = time.perf_counter(), ctx.receiver.wait_s
-                        vote = stop_vote(stop, hooks, layout.rank, run.step)
-                        result = drafter_step(run, ctx, timer, hooks, stop_requested=vote)
-                        busy_s += time.perf_counter() - t0 - (ctx.receiver.wait_s - wait0)
-                        window.add(result)
-                        stopping, reports = result["stop"], None
-                        if report_step(cfg, run.step, run.total_steps, stopping):
-                            report = {"role": "drafter", "busy_s": busy_s, "seconds": window.seconds()}
-                            reports, busy_s = (
-                                exchange_reports(layout, {**report, **ctx.receiver.take_stats()}),
-                                0.0,
-                            )
-                        if window.due(run, stopping):
-                            row = split_log_row(run, result, window, timer, reports)
-                            last_loss = row["loss"]
-                            logger.log(run.step, row)
-                        logger.advance(run.step)
-                        if save_due(run, stopping):
-                            saved = save_with_targets(run, ctx.layout, reports)
-                        if stopping:
-                            drain(run, ctx)
-                            log_main(f"stop requested: saved {saved} at step {run.step}; exiting")
-                            break
-                settle_with_targets(run, ctx.layout)  # the last save's failure, if any, stops every rank here
-            except BaseException:
-                close_after_failure(run)  # the loop's error stays the one raised
-                raise
-            run.writer.close()  # the last checkpoint is committed before the export and the exit
-            export = export_final(run) if run.step >= run.total_steps else None
-        report_deferred_stop(late)
+    timer, window = PhaseTimer(info.device), LogWindow(run.step)
+    last_loss, saved, busy_s = float("nan"), None, 0.0
+    stacks = Path(cfg.output_dir) / "watchdog-stacks.txt"
+    # The logger is closed on the way out, also when the run fails. A SIGTERM after the loop must not
+    # cut the last checkpoint's commit or the export in half: it is deferred until both are written.
+    with logger, GracefulStop() as late:
+        try:
+            with GracefulStop() as stop, Watchdog(cfg.train.watchdog_s, stacks) as watchdog:
+                while run.step < run.total_steps:
+                    watchdog.beat(run.step)
+                    t0, wait0 = time.perf_counter(), ctx.receiver.wait_s
+                    vote = stop_vote(stop, hooks, layout.rank, run.step)
+                    result = drafter_step(run, ctx, timer, hooks, stop_requested=vote)
+                    busy_s += time.perf_counter() - t0 - (ctx.receiver.wait_s - wait0)
+                    window.add(result)
+                    stopping, reports = result["stop"], None
+                    if report_step(cfg, run.step, run.total_steps, stopping):
+                        report = {"role": "drafter", "busy_s": busy_s, "seconds": window.seconds()}
+                        reports, busy_s = (
+                            exchange_reports(layout, {**report, **ctx.receiver.take_stats()}),
+                            0.0,
+                        )
+                    if window.due(run, stopping):
+                        row = split_log_row(run, result, window, timer, reports)
+                        last_loss = row["loss"]
+                        logger.log(run.step, row)
+                    logger.advance(run.step)
+                    if save_due(run, stopping):
+                        saved = save_with_targets(run, ctx.layout, reports)
+                    if stopping:
+                        drain(run, ctx)
+                        log_main(f"stop requested: saved {saved} at step {run.step}; exiting")
+                        break
+            settle_with_targets(run, ctx.layout)  # the last save's failure, if any, stops every rank here
+        except BaseException:
+            close_after_failure(run)  # the loop's error stays the one raised
+            raise
+        run.writer.close()  # the last checkpoint is committed before the export and the exit
+        export = export_final(run) if run.step >= run.total_steps else None
+    report_deferred_stop(late)
     return {"role": "drafter", **run_result(run, logger, last_loss, saved, export)}
 
 
