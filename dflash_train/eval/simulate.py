@@ -192,10 +192,10 @@ def copied_on(ids: Sequence[int], length: int, source: int, count: int) -> list[
     """``count`` tokens copied from ``ids[source:]`` as continuing ``ids[:length]``: past the end the
     copy reads what it has itself appended (an overlapping copy; in a loop of period p, token k is
     the one p back)."""
-    text = list(ids[:length])
+    span = list(ids[source:length])
     for k in range(count):
-        text.append(text[source + k])
-    return text[length:]
+        span.append(span[k])
+    return span[length - source :]
 
 
 def simulate_ngram(
