@@ -379,11 +379,11 @@ def ngram_metrics(run, heldout: HeldoutEval) -> dict[str, Any]:
     from dflash_train.eval import simulate
 
     cfg, block_size = run.cfg.eval, run.draft_config.num_verify_tokens
-    metrics = {}
-    for name, overlap in (("eval_ngram_tau", False), ("eval_ngram_overlap_tau", True)):
-        local, error = [], None
-        try:
-            local = [
+    names = {"eval_ngram_tau": False, "eval_ngram_overlap_tau": True}  # metric -> overlapping copy
+    local, error = {}, None
+    try:
+        local = {
+            name: [
                 simulate.simulate_ngram(
                     prompt,
                     continuation,
@@ -395,10 +395,14 @@ def ngram_metrics(run, heldout: HeldoutEval) -> dict[str, Any]:
                 )
                 for prompt, continuation in zip(heldout.prompts, heldout.continuations, strict=True)
             ]
-        except Exception as err:  # recovery boundary: every rank learns of it just below
-            error = err
-        share_local_outcome(run, error, "the n-gram baseline of the held-out prompts")  # before the gather
-        ordered, file_of = gather_generations(run, heldout, local)
+            for name, overlap in names.items()
+        }
+    except Exception as err:  # recovery boundary: every rank learns of it just below
+        error = err
+    share_local_outcome(run, error, "the n-gram baseline of the held-out prompts")  # before the gathers
+    metrics = {}
+    for name in names:
+        ordered, file_of = gather_generations(run, heldout, local[name])
         metrics.update(acceptance_metrics(name, ordered, file_of, heldout.names, block_size)[0])
     return metrics
 
