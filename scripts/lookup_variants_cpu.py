@@ -4,9 +4,10 @@ The eval's ``ngram`` (``NgramProposer``) copies what followed the most recent ea
 last n tokens and pads the block with the last copied token; inside a loop of period p < B-1 that
 match lies p tokens back, so it copies p tokens and pads. Two other rules on the same matches:
 ``periodic`` copies on past the end of the text, each token p back (an overlapping copy, as the loop
-continues: the eval's method ``ngram-overlap``, ``NgramIndex.propose_copied_on``), and ``earliest`` copies after the first occurrence instead of the latest. Each is
-simulated over regenerated rows (the target's greedy replies, re-tokenized; one-turn rows, a spread
-sample) with the eval's round bookkeeping (``eval/simulate.py``), block 16, at most 512 reply tokens.
+continues: the eval's method ``ngram-overlap``, ``NgramIndex.propose_copied_on``), and ``earliest``
+copies after the first occurrence instead of the latest. Each is simulated over regenerated rows
+(the target's greedy replies, re-tokenized; one-turn rows, a spread sample) with the eval's round
+bookkeeping (``eval/simulate.py``), block 16, at most 512 reply tokens.
 
     python3 scripts/lookup_variants_cpu.py --tokenizer DIR --rows R.part00.jsonl.xz ... --sample 1500
 """
